@@ -1,0 +1,105 @@
+"""Every way the job can end, and the exit code a scheduler sees for it.
+
+Kubernetes `podFailurePolicy`, AWS Batch `evaluateOnExit` and SageMaker read only the exit code, so
+each class says whose fault it was and whether a retry can help.  The README's table of exit codes
+is checked against `EXIT_CODES` by a test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+EXIT_CODES = {
+    0: "Success: the model is saved, registered (unless FT_REGISTERED_MODEL is empty), and the run is finished.",
+    1: "Unexpected failure (a bug or an infrastructure fault). A retry may help; it resumes from the last committed checkpoint.",
+    2: "Bad configuration or bad input data. A retry cannot help: fix the named variable, file or row.",
+    3: "The model was trained and saved, but registration in MLflow failed. A retry skips training and only registers.",
+    4: "Out of GPU memory. A retry with the same settings cannot help: the message lists what to change.",
+    75: "Stopped by SIGTERM/SIGINT after committing a checkpoint. A retry resumes from it.",
+    76: "Stopped by a second signal or the stop deadline before the checkpoint was committed. A retry resumes from the previous committed checkpoint.",
+}
+
+
+class FulltuneError(Exception):
+    """Base class: the message is written for the user and ends with what to do."""
+
+    exit_code = 1
+    show_traceback = True
+
+
+class ConfigError(FulltuneError):
+    """A setting is invalid or contradicts another one. Retrying cannot help."""
+
+    exit_code = 2
+    show_traceback = False
+
+
+class DataError(FulltuneError):
+    """The dataset cannot be read or has rows that cannot be trained on."""
+
+    exit_code = 2
+    show_traceback = False
+
+
+class RegistrationFailed(FulltuneError):
+    """Training finished and the model is on the volume; only the MLflow registration failed."""
+
+    exit_code = 3
+    show_traceback = True
+
+
+class OutOfMemory(FulltuneError):
+    """The configuration does not fit the accelerator."""
+
+    exit_code = 4
+    show_traceback = False
+
+
+class Preempted(FulltuneError):
+    """A stop signal arrived; the checkpoint at the current step is committed."""
+
+    exit_code = 75
+    show_traceback = False
+
+
+class StopAbandoned(FulltuneError):
+    """A second signal or the stop deadline cut the final save short."""
+
+    exit_code = 76
+    show_traceback = False
+
+
+def termination_message_path() -> str | None:
+    """Where Kubernetes (and batch consoles) read the reason a container ended."""
+    path = os.environ.get("FT_TERMINATION_MESSAGE_PATH", "/dev/termination-log")
+    return path or None
+
+
+def write_termination_message(message: str) -> None:
+    """Write one line to the termination-message file; never fail the exit path because of it."""
+    path = termination_message_path()
+    if not path:
+        return
+    line = " ".join(message.split())[:4000]  # Kubernetes keeps at most 4096 bytes.
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass  # Not writable outside Kubernetes (e.g. /dev/termination-log on a laptop).
+
+
+def exit_code_for(error: BaseException) -> int:
+    """Map any exception to the documented exit code, print one line, and leave a termination message."""
+    if isinstance(error, FulltuneError):
+        code = error.exit_code
+        message = str(error)
+    elif type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
+        code = OutOfMemory.exit_code
+        message = f"out of GPU memory: {error}"
+    else:
+        code = 1
+        message = f"unexpected {type(error).__name__}: {error}"
+    print(f"fulltune: exit {code}: {message}", file=sys.stderr, flush=True)
+    write_termination_message(f"exit {code}: {message}")
+    return code
