@@ -1,0 +1,96 @@
+"""MLflow: one run per job (kept across restarts), its parameters, and the model registry.
+
+With no MLFLOW_TRACKING_URI, tracking and the registry live in a SQLite file on the output volume,
+so a job needs no server and a restart finds its run again.  The run id is stored on the volume:
+the transformers MLflowCallback would start a new run on every restart (transformers #30563).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from trainer import settings as settings_table
+from trainer.errors import RegistrationFailed
+
+RUN_FILE = os.path.join(".fulltune", "mlflow_run.json")
+
+
+def configure(settings: Any) -> str:
+    """Point MLflow at the configured server, or at the embedded store on the volume; return the URI."""
+    import mlflow
+
+    store = os.path.join(os.path.abspath(settings.output_dir), "mlflow")
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(store, 'mlflow.db')}"
+    if uri.startswith("sqlite:///"):
+        os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    if os.environ.get("MLFLOW_REGISTRY_URI"):
+        mlflow.set_registry_uri(os.environ["MLFLOW_REGISTRY_URI"])
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "fulltune")
+    if mlflow.get_experiment_by_name(name) is None:
+        local = None if os.environ.get("MLFLOW_TRACKING_URI") else f"file://{os.path.join(store, 'artifacts')}"
+        mlflow.create_experiment(name, artifact_location=local)
+    mlflow.set_experiment(name)
+    # The transformers callback logs metrics into our run; its ~300 params (every TrainingArguments
+    # field) are skipped: our own FT_* params are the effective configuration.
+    os.environ["MLFLOW_MAX_LOG_PARAMS"] = "0"
+    return uri
+
+
+def start_run(settings: Any, run_name: str) -> tuple[Any, bool]:
+    """Continue the job's run if the volume names one, else start it; return (run, resumed)."""
+    import mlflow
+
+    path = os.path.join(settings.output_dir, RUN_FILE)
+    run_id = None
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            run_id = json.load(f)["run_id"]
+        try:
+            mlflow.get_run(run_id)
+        except mlflow.exceptions.MlflowException:
+            print(f"fulltune: MLflow run {run_id} named on the volume is not on this server: starting a new run", flush=True)
+            run_id = None
+    run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name, log_system_metrics=settings.system_metrics)
+    if run_id is None:
+        mlflow.log_params(settings_table.as_params(settings))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({"run_id": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}, f)
+        os.replace(path + ".tmp", path)
+    return run, run_id is not None
+
+
+def register(settings: Any, model_dir: str, metadata: dict[str, str]) -> str:
+    """Register the saved MLflow model under FT_REGISTERED_MODEL; return 'name/version'.
+
+    On the embedded store the version points at `model_dir` on the volume (no second copy of the
+    weights).  With a tracking server the folder is uploaded to the run's artifact store first,
+    because a path on this machine's volume means nothing to the server's other clients.
+    """
+    import mlflow
+    from mlflow import MlflowClient
+
+    name = settings.registered_model
+    run = mlflow.active_run()
+    try:
+        client = MlflowClient()
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            mlflow.log_artifacts(model_dir, artifact_path="model")
+            version = mlflow.register_model(f"runs:/{run.info.run_id}/model", name, tags=metadata)
+        else:
+            try:
+                client.create_registered_model(name)
+            except mlflow.exceptions.MlflowException as error:
+                if "RESOURCE_ALREADY_EXISTS" not in str(error.error_code):
+                    raise
+            version = client.create_model_version(name, source=os.path.abspath(model_dir), run_id=run.info.run_id, tags=metadata)
+        client.set_model_version_tag(name, version.version, "task", "llm/v1/chat")
+    except Exception as error:
+        raise RegistrationFailed(
+            f"registering {name!r} failed ({type(error).__name__}: {error}); the trained model is saved at "
+            f"{os.path.abspath(model_dir)}. Re-run the job to retry registration only."
+        ) from error
+    return f"{name}/{version.version}"
