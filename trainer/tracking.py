@@ -17,12 +17,23 @@ from trainer.errors import RegistrationFailed
 RUN_FILE = os.path.join(".fulltune", "mlflow_run.json")
 
 
+def embedded() -> bool:
+    """True when no tracking server is configured: the store is a SQLite file on the volume.
+
+    Read once at import: mlflow.set_tracking_uri() exports MLFLOW_TRACKING_URI itself.
+    """
+    return not _CONFIGURED_URI
+
+
+_CONFIGURED_URI = os.environ.get("MLFLOW_TRACKING_URI", "")
+
+
 def configure(settings: Any) -> str:
     """Point MLflow at the configured server, or at the embedded store on the volume; return the URI."""
     import mlflow
 
     store = os.path.join(os.path.abspath(settings.output_dir), "mlflow")
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(store, 'mlflow.db')}"
+    uri = _CONFIGURED_URI or f"sqlite:///{os.path.join(store, 'mlflow.db')}"
     if uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
     mlflow.set_tracking_uri(uri)
@@ -30,7 +41,7 @@ def configure(settings: Any) -> str:
         mlflow.set_registry_uri(os.environ["MLFLOW_REGISTRY_URI"])
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "fulltune")
     if mlflow.get_experiment_by_name(name) is None:
-        local = None if os.environ.get("MLFLOW_TRACKING_URI") else f"file://{os.path.join(store, 'artifacts')}"
+        local = f"file://{os.path.join(store, 'artifacts')}" if embedded() else None
         mlflow.create_experiment(name, artifact_location=local)
     mlflow.set_experiment(name)
     # The transformers callback logs metrics into our run; its ~300 params (every TrainingArguments
@@ -77,7 +88,7 @@ def register(settings: Any, model_dir: str, metadata: dict[str, str]) -> str:
     run = mlflow.active_run()
     try:
         client = MlflowClient()
-        if os.environ.get("MLFLOW_TRACKING_URI"):
+        if not embedded():
             mlflow.log_artifacts(model_dir, artifact_path="model")
             version = mlflow.register_model(f"runs:/{run.info.run_id}/model", name, tags=metadata)
         else:
