@@ -1,0 +1,157 @@
+"""Preemption, crashes and restarts of the real job: real processes, real signals, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, committed_steps, job_env, run_job, start_job, termination_message, wait_for
+
+STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2")
+SLOW = {"FULLTUNE_TEST_SECONDS_PER_STEP": "0.15"}
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    left, right = load_file(a), load_file(b)
+    assert left.keys() == right.keys()
+    return max((left[k].float() - right[k].float()).abs().max().item() for k in left)
+
+
+def mlflow_runs(output_dir: Path) -> list:
+    mlflow.set_tracking_uri(f"sqlite:///{output_dir}/mlflow/mlflow.db")
+    return mlflow.search_runs(search_all_experiments=True, output_format="list")
+
+
+def loss_steps(output_dir: Path, run_id: str) -> list[int]:
+    return sorted({m.step for m in mlflow.MlflowClient().get_metric_history(run_id, "loss")})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted") / "volume"
+    result = run_job(job_env(out, **STEPS))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(uninterrupted, tmp_path):
+    out = tmp_path / "volume"
+    env = job_env(out, **STEPS)
+
+    # 1. SIGTERM after the first checkpoint: the job finishes its step, commits, exits 75.
+    job = start_job(env | SLOW, tmp_path / "1.log")
+    wait_for(lambda: committed_steps(out) == [10], what="first checkpoint")
+    time.sleep(0.5)
+    stopped_at = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 75, (tmp_path / "1.log").read_text()
+    assert time.monotonic() - stopped_at < 10
+    log = (tmp_path / "1.log").read_text()
+    stop_step = max(committed_steps(out))
+    assert stop_step > 10, log
+    assert f"checkpoint at step {stop_step} committed" in log
+    assert "exit 75" in termination_message(env)
+
+    # 2. SIGKILL while the step-20 checkpoint is being written (after its files, before its manifest).
+    result = run_job(env | {"FULLTUNE_TEST_KILL_DURING_SAVE_AT_STEP": "20"})
+    assert result.returncode == 128 + signal.SIGKILL, result.stdout + result.stderr
+    assert (out / "checkpoints" / "checkpoint-20" / "model.safetensors").exists()
+    assert 20 not in committed_steps(out)
+    assert stop_step in committed_steps(out), "a committed checkpoint was lost"
+
+    # 3. A node loss mid-run: the whole process group is SIGKILLed.
+    job = subprocess.Popen([sys.executable, str(ROOT / "entrypoint.py")], env=env | SLOW, cwd=ROOT, start_new_session=True,
+                           stdout=open(tmp_path / "3.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    wait_for(lambda: 30 in committed_steps(out), what="checkpoint 30")
+    time.sleep(0.6)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    log3 = (tmp_path / "3.log").read_text()
+    assert "moved to" in log3 and "step 20 was never committed" in log3  # the half-written save was set aside
+    assert list((out / "incomplete").glob("checkpoint-20.*"))
+    assert 30 in committed_steps(out)
+
+    # 4. The last restart finishes.
+    result = run_job(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resuming from" in result.stdout and "checkpoint-30" in result.stdout
+
+    for name in ("checkpoints/checkpoint-40/model.safetensors", "final/model/model.safetensors"):
+        assert max_weight_difference(uninterrupted / name, out / name) <= 1e-5, name
+    runs = mlflow_runs(out)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert loss_steps(out, runs[0].info.run_id)[-1] == 40
+
+
+def test_resume_across_epoch_boundaries_is_exact(tmp_path):
+    from trainer import demo
+
+    data = tmp_path / "small.jsonl"  # 45 training rows: 6 optimizer steps per epoch
+    data.write_text("".join(json.dumps(row) + "\n" for row in demo.conversations(50, seed=7)))
+    settings = STEPS | {"FT_DATASET": str(data), "FT_MAX_STEPS": "30", "FT_REGISTERED_MODEL": ""}
+    reference, out = tmp_path / "reference", tmp_path / "volume"
+    assert run_job(job_env(reference, **settings)).returncode == 0
+
+    env = job_env(out, **settings)
+    job = start_job(env | SLOW, tmp_path / "1.log")
+    wait_for(lambda: committed_steps(out) == [10], what="first checkpoint")
+    time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 75
+    state = json.loads((out / "checkpoints" / f"checkpoint-{max(committed_steps(out))}" / "trainer_state.json").read_text())
+    assert state["epoch"] > 1.5 and state["epoch"] != int(state["epoch"])  # stopped in the middle of epoch 2 or later
+    result = run_job(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    name = "checkpoints/checkpoint-30/model.safetensors"
+    assert max_weight_difference(reference / name, out / name) <= 1e-5
+
+
+def test_restart_with_a_changed_learning_rate_exits_2_naming_it(uninterrupted):
+    env = job_env(uninterrupted, **STEPS, FT_LEARNING_RATE="3e-3")
+    (uninterrupted / ".fulltune" / "status.json").rename(uninterrupted / "status.json.bak")  # look unfinished
+    try:
+        result = run_job(env)
+    finally:
+        (uninterrupted / "status.json.bak").rename(uninterrupted / ".fulltune" / "status.json")
+    assert result.returncode == 2
+    assert "FT_LEARNING_RATE" in result.stderr and "'0.001' on the volume, '0.003' now" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "FT_ALLOW_CONFIG_CHANGE" in termination_message(env)
+
+
+def test_restart_after_success_exits_0_without_training_or_a_new_run(uninterrupted):
+    before = [r.info.run_id for r in mlflow_runs(uninterrupted)]
+    started = time.monotonic()
+    result = run_job(job_env(uninterrupted, **STEPS))
+    assert result.returncode == 0, result.stderr
+    assert "already finished" in result.stdout
+    assert "starting from step" not in result.stdout and "resuming" not in result.stdout
+    assert time.monotonic() - started < 30
+    assert [r.info.run_id for r in mlflow_runs(uninterrupted)] == before
+
+
+@pytest.mark.parametrize("second_signal", [False, True], ids=["deadline", "second-signal"])
+def test_a_stop_that_cannot_finish_in_time_exits_76(tmp_path, second_signal):
+    out = tmp_path / "volume"
+    env = job_env(out, **STEPS, FT_STOP_DEADLINE_SECONDS="1")
+    job = start_job(env | {"FULLTUNE_TEST_SECONDS_PER_STEP": "4"}, tmp_path / "job.log")  # each step outlasts the deadline
+    wait_for(lambda: "starting from step 0" in (tmp_path / "job.log").read_text(), what="training to start")
+    time.sleep(0.5)
+    started = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    if second_signal:
+        time.sleep(0.2)
+        job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == 76, (tmp_path / "job.log").read_text()
+    assert time.monotonic() - started < 3.5
+    why = "second SIGTERM" if second_signal else "stop deadline of 1 s passed"
+    assert why in termination_message(env)
