@@ -1,0 +1,125 @@
+"""The image, checked without a Docker engine: hadolint, and what the Dockerfile installs, copies and runs."""
+
+import ast
+import fnmatch
+import re
+import subprocess
+
+from deploy_files import REPO, dockerfile, entrypoint, image_env, tool
+
+
+def test_hadolint_reports_nothing():
+    result = subprocess.run([tool("hadolint"), str(REPO / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+def test_base_image_is_an_nvidia_cuda_image_pinned_to_a_release():
+    froms = [arguments for keyword, arguments in dockerfile() if keyword == "FROM"]
+    assert len(froms) == 1
+    image, _, tag = froms[0].partition(":")
+    assert image == "nvidia/cuda"
+    assert re.fullmatch(r"\d+\.\d+\.\d+-(base|runtime)-ubuntu\d+\.\d+", tag), tag  # a full CUDA version, not "latest"
+
+
+def _pins() -> dict[str, str]:
+    lines = (REPO / "requirements.txt").read_text().splitlines()
+    return dict(line.split("==") for line in (line.split("#")[0].strip() for line in lines) if line)
+
+
+def test_image_installs_exactly_requirements_txt_with_torch_as_a_cuda_build():
+    instructions = dockerfile()
+    args = {arguments.split("=")[0]: arguments.split("=", 1)[1] for keyword, arguments in instructions if keyword == "ARG"}
+    assert args["TORCH_VERSION"] == _pins()["torch"]  # the Dockerfile's torch layer and requirements.txt agree
+    pip_installs = [part.strip() for keyword, arguments in instructions if keyword == "RUN" for part in arguments.split("&&") if "pip install" in part]
+    assert pip_installs == [
+        'pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"',
+        "pip install --no-cache-dir -r /app/requirements.txt",
+    ]
+    runs = " ".join(arguments for keyword, arguments in instructions if keyword == "RUN")
+    assert "torch.version.cuda" in runs  # the build fails if a CPU-only torch was installed
+    assert "pip check" in runs
+
+
+def test_layers_go_from_system_packages_to_torch_to_requirements_to_code():
+    instructions = dockerfile()
+
+    def index(predicate):
+        return next(i for i, instruction in enumerate(instructions) if predicate(*instruction))
+
+    apt = index(lambda k, a: k == "RUN" and "apt-get install" in a)
+    torch = index(lambda k, a: k == "RUN" and "torch==" in a)
+    copy_requirements = index(lambda k, a: k == "COPY" and a.startswith("requirements.txt"))
+    requirements = index(lambda k, a: k == "RUN" and "-r /app/requirements.txt" in a)
+    code = index(lambda k, a: k == "COPY" and "trainer" in a)
+    assert apt < torch < copy_requirements < requirements < code
+
+
+def _local_modules(path, seen):
+    """Files of this repository that `path` imports, transitively (entrypoint.py -> trainer.*)."""
+    if path in seen:
+        return
+    seen.add(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            if name.split(".")[0] != "trainer":
+                continue
+            candidate = REPO.joinpath(*name.split("."))
+            for file in (candidate.with_suffix(".py"), candidate / "__init__.py"):
+                if file.exists():
+                    _local_modules(file, seen)
+
+
+def _dockerignored(path: str) -> bool:
+    """Docker's rule: the last matching pattern wins; a pattern matches the path or any parent folder."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for line in (REPO / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate, pattern = line.startswith("!"), line.lstrip("!").rstrip("/")
+        patterns = [pattern, pattern[3:]] if pattern.startswith("**/") else [pattern]
+        suffixes = ["/".join(parts[i:]) for i in range(len(parts))] if pattern.startswith("**/") else candidates
+        if any(fnmatch.fnmatchcase(c, p) for c in candidates + suffixes for p in patterns):
+            ignored = not negate
+    return ignored
+
+
+def test_image_copies_every_file_entrypoint_py_imports_and_nothing_else():
+    needed = set()
+    for start in (REPO / "entrypoint.py", REPO / "trainer" / "__main__.py"):  # `python -m trainer` is the child
+        _local_modules(start, needed)
+    needed = {str(p.relative_to(REPO)) for p in needed} | {"trainer/__init__.py"}
+    sources = [arguments.split()[:-1] for keyword, arguments in dockerfile() if keyword == "COPY"]
+    copied = [s.rstrip("/") for group in sources for s in group]
+    for file in sorted(needed):
+        assert any(file == c or file.startswith(c + "/") for c in copied), f"{file} is imported but not copied"
+        assert not _dockerignored(file), f"{file} is excluded by .dockerignore"
+    for outside in ("tests/test_dockerfile.py", ".venv/bin/python", "k8s/base/job.yaml", "trainer/__pycache__/job.cpython-311.pyc"):
+        assert _dockerignored(outside), f"{outside} would be sent to the build"
+
+
+def test_image_runs_as_a_numeric_non_root_user_with_tini_as_pid_1():
+    instructions = dockerfile()
+    users = [arguments for keyword, arguments in instructions if keyword == "USER"]
+    assert users[-1] == "10001:10001"  # numeric, so Kubernetes' runAsNonRoot can verify it
+    assert [k for k, _ in instructions].index("USER") > max(i for i, (k, _) in enumerate(instructions) if k in ("RUN", "COPY"))
+    workdir = [arguments for keyword, arguments in instructions if keyword == "WORKDIR"][-1]
+    assert entrypoint(instructions) == ["/usr/bin/tini", "--", "python", f"{workdir}/entrypoint.py"]
+    assert "CMD" not in [k for k, _ in instructions]  # `docker run IMAGE train` (SageMaker) must not replace the command
+    assert any(k == "RUN" and " tini" in a and "apt-get install" in a for k, a in instructions)
+
+
+def test_every_cache_is_on_tmp_or_the_output_volume_for_a_read_only_root():
+    env = image_env(dockerfile())
+    caches = ["HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "MPLCONFIGDIR"]
+    for name in caches:
+        assert env[name].split("/")[1] in ("tmp", "output"), f"{name}={env[name]} is on the read-only root"
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert env["PATH"].startswith("/opt/venv/bin:")
