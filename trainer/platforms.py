@@ -93,9 +93,7 @@ def _vertex(environ: Mapping[str, str], implied: Implied) -> None:
             break
     # Set when the job trains on a Vertex AI managed dataset: gs:// file patterns, readable as /gcs globs.
     implied.offer(environ, "FT_DATASET", gcs_path(environ.get("AIP_TRAINING_DATA_URI", "")), "AIP_TRAINING_DATA_URI")
-    implied.offer(
-        environ, "FT_EVAL_DATASET", gcs_path(environ.get("AIP_VALIDATION_DATA_URI", "")), "AIP_VALIDATION_DATA_URI"
-    )
+    implied.offer(environ, "FT_EVAL_DATASET", gcs_path(environ.get("AIP_VALIDATION_DATA_URI", "")), "AIP_VALIDATION_DATA_URI")
 
 
 def _batch_marker(environ: Mapping[str, str]) -> str | None:

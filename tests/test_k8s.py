@@ -1,0 +1,259 @@
+"""The Kubernetes Job: every overlay renders, validates against Kubernetes 1.33 (strict) and passes
+checkov, and the rendered pod runs entrypoint.py the way the kubelet would."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+from deploy_files import OVERLAYS, REPO, dockerfile, entrypoint, image_env, one, render, tool
+
+from trainer import settings
+
+KUBERNETES_VERSION = "1.33.0"
+
+
+@pytest.fixture(scope="module")
+def rendered():
+    return {overlay: render(REPO / "k8s" / "overlays" / overlay) for overlay in OVERLAYS}
+
+
+@pytest.fixture(scope="module")
+def with_kueue(tmp_path_factory):
+    """The generic overlay with the optional Kueue component, composed the way the README shows."""
+    folder = tmp_path_factory.mktemp("kueue")
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(REPO / "k8s" / "overlays" / "generic", folder)],
+        "components": [os.path.relpath(REPO / "k8s" / "components" / "kueue", folder)],
+    }
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return render(folder)
+
+
+def _job(objects):
+    return one(objects, "Job")
+
+
+def _container(job):
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _settings_env(objects):
+    return one(objects, "ConfigMap")["data"]
+
+
+def test_every_overlay_renders_a_job_its_configmap_its_volume_and_a_network_policy(rendered):
+    for overlay, objects in rendered.items():
+        assert sorted(o["kind"] for o in objects) == ["ConfigMap", "Job", "NetworkPolicy", "PersistentVolumeClaim"], overlay
+        assert {o["metadata"]["namespace"] for o in objects} == {"fulltune"}
+
+
+def test_every_rendered_object_validates_against_kubernetes_1_33_in_strict_mode(rendered, with_kueue):
+    secret = yaml.safe_load((REPO / "k8s" / "base" / "secret.example.yaml").read_text())
+    for objects in [*rendered.values(), with_kueue, [secret]]:
+        for obj in objects:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)  # raises on any unknown or bad field
+
+
+def test_the_example_secret_holds_placeholders_only_and_is_never_applied():
+    secret = yaml.safe_load((REPO / "k8s" / "base" / "secret.example.yaml").read_text())
+    assert all(value.startswith("replace-with-") for value in secret["stringData"].values())
+    base = yaml.safe_load((REPO / "k8s" / "base" / "kustomization.yaml").read_text())
+    assert "secret.example.yaml" not in base["resources"]
+
+
+@pytest.fixture(scope="module")
+def checkov_reports(rendered, with_kueue, tmp_path_factory):
+    """One checkov run over the Dockerfile and every rendered manifest (checkov takes seconds to start)."""
+    folder = tmp_path_factory.mktemp("checkov")
+    files = [str(REPO / "Dockerfile"), str(REPO / "k8s" / "base" / "secret.example.yaml")]
+    for name, objects in [*rendered.items(), ("generic-kueue", with_kueue)]:
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump_all(objects))
+        files.append(str(folder / f"{name}.yaml"))
+    command = [tool("checkov"), "--framework", "kubernetes", "dockerfile", "--skip-download", "--output", "json"]
+    result = subprocess.run([*command, *(arg for f in files for arg in ("--file", f))], capture_output=True, text=True, timeout=300)
+    reports = json.loads(result.stdout)
+    return reports if isinstance(reports, list) else [reports]
+
+
+def test_checkov_reports_no_failed_check_and_every_skip_gives_its_reason(checkov_reports):
+    scanned = {}
+    for report in checkov_reports:
+        failed = [(c["check_id"], c["resource"], c["file_path"]) for c in report["results"]["failed_checks"]]
+        assert failed == [], f"{report['check_type']}: {failed}"
+        assert report["summary"]["parsing_errors"] == 0
+        for check in report["results"]["skipped_checks"]:
+            assert len(check["check_result"].get("suppress_comment", "")) > 20, check["check_id"]
+        scanned[report["check_type"]] = report["summary"]["passed"]
+    assert scanned.keys() == {"kubernetes", "dockerfile"} and min(scanned.values()) > 50, scanned
+
+
+def _policy_action(job, exit_code=None, conditions=()):
+    """What the Job controller does with a failed pod: the first matching podFailurePolicy rule, else Count."""
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        codes = rule.get("onExitCodes")
+        if codes and exit_code is not None and codes.get("containerName") in (None, "trainer"):
+            if (exit_code in codes["values"]) == (codes["operator"] == "In"):
+                return rule["action"]
+        for condition in rule.get("onPodConditions", []):
+            if (condition["type"], condition.get("status", "True")) in conditions:
+                return rule["action"]
+    return "Count"
+
+
+def test_pod_failure_policy_fails_at_once_on_bad_config_and_does_not_count_preemption(rendered):
+    for objects in rendered.values():
+        job = _job(objects)
+        assert _policy_action(job, 2) == "FailJob"  # bad config or data: a retry cannot help
+        assert _policy_action(job, 4) == "FailJob"  # out of GPU memory with these settings
+        assert _policy_action(job, 75) == "Ignore"  # checkpoint committed after SIGTERM: resume, uncounted
+        assert _policy_action(job, 76) == "Ignore"  # save cut short: resume from the previous checkpoint
+        assert _policy_action(job, 137, {("DisruptionTarget", "True")}) == "Ignore"  # drained or preempted node
+        assert _policy_action(job, 1) == "Count"
+        assert _policy_action(job, 3) == "Count"  # registration failed: the retry only registers
+        spec = job["spec"]
+        assert spec["template"]["spec"]["restartPolicy"] == "Never"
+        assert spec["backoffLimit"] >= 1 and spec["activeDeadlineSeconds"] > 0 and spec["ttlSecondsAfterFinished"] > 0
+        assert spec["podReplacementPolicy"] == "Failed"
+
+
+def test_grace_period_covers_the_stop_deadline_and_the_final_save(rendered):
+    for objects in rendered.values():
+        grace = _job(objects)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        deadline = int(_settings_env(objects)["FT_STOP_DEADLINE_SECONDS"])
+        assert grace >= deadline + 30, (grace, deadline)
+
+
+def test_pod_is_locked_down_and_gets_one_gpu_shared_memory_and_the_volume(rendered):
+    image_user = [a for k, a in dockerfile() if k == "USER"][-1]
+    for objects in rendered.values():
+        pod = _job(objects)["spec"]["template"]["spec"]
+        container = _container(_job(objects))
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}" == image_user
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+        security = container["securityContext"]
+        assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1" == container["resources"]["requests"]["nvidia.com/gpu"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+        assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
+        assert "emptyDir" in mounts["/tmp"]  # caches on a read-only root (see the Dockerfile's ENV)
+        claim = mounts[_settings_env(objects)["FT_OUTPUT_DIR"]]["persistentVolumeClaim"]["claimName"]
+        assert claim == one(objects, "PersistentVolumeClaim")["metadata"]["name"]
+        env = container["env"]
+        assert {e["name"] for e in env} >= {"HF_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"}
+        assert all(e["valueFrom"]["secretKeyRef"]["optional"] for e in env)
+
+
+def test_each_overlay_selects_h100_nodes_its_own_way(rendered):
+    def pod(overlay):
+        return _job(rendered[overlay])["spec"]["template"]["spec"]
+
+    def affinity(overlay):
+        (term,) = pod(overlay)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        (expression,) = term["matchExpressions"]
+        return expression["key"], expression["values"]
+
+    key, products = affinity("generic")
+    assert key == "nvidia.com/gpu.product" and all(p.startswith("NVIDIA-H100") for p in products)
+    assert pod("gke")["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    key, types = affinity("eks")
+    assert key == "node.kubernetes.io/instance-type" and all(t.startswith("p5.") for t in types)
+
+
+def test_kueue_component_adds_the_queue_label_and_creates_the_job_suspended(with_kueue, rendered):
+    job = _job(with_kueue)
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
+    assert job["spec"]["suspend"] is True
+    assert "kueue.x-k8s.io/queue-name" not in _job(rendered["generic"])["metadata"]["labels"]
+
+
+def test_configmap_holds_only_known_settings_with_valid_values(rendered):
+    for objects in rendered.values():
+        env = _settings_env(objects)
+        unknown = [name for name in env if name.startswith("FT_") and name not in settings.BY_ENV_NAME]
+        assert unknown == []
+        settings.load(env)  # raises ConfigError (exit 2) on a bad value
+
+
+# -- The contract: the rendered pod, run here -----------------------------------------------------
+
+BASE_IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _as_the_pod_runs(objects, tmp_path, configmap_changes=None):
+    """The pod's command and environment as the kubelet builds them, with its volumes moved under tmp_path.
+
+    Environment: the image's ENV, then the ConfigMap (envFrom), then `env` (Secrets absent: all optional),
+    then what the kubelet adds.  The demo preset stands in for the reference model and data, which this
+    offline machine cannot download: FT_MODEL and FT_DATASET are dropped and FT_PRESET=demo is added.
+    """
+    container = _container(_job(objects))
+    instructions = dockerfile()
+    workdir = [a for k, a in instructions if k == "WORKDIR"][-1]
+    mounts = {m["mountPath"]: str(tmp_path / m["name"]) for m in container["volumeMounts"] if m["mountPath"] != "/dev/shm"}
+    mounts[workdir] = str(REPO)
+    mounts["/opt/venv/bin"] = os.path.dirname(sys.executable)
+
+    def remap(value):
+        for path, local in mounts.items():
+            if value == path or value.startswith(path + "/"):
+                return local + value[len(path) :]
+        return value
+
+    env = dict(image_env(instructions))
+    env["PATH"] = env["PATH"].replace("$PATH", BASE_IMAGE_PATH)
+    configmap = {**_settings_env(objects), **(configmap_changes or {})}
+    for source in container.get("envFrom", []):
+        assert source["configMapRef"]["name"] == one(objects, "ConfigMap")["metadata"]["name"]
+        env.update(configmap)
+    for variable in container.get("env", []):
+        if "value" in variable:
+            env[variable["name"]] = variable["value"]
+        else:
+            assert variable["valueFrom"]["secretKeyRef"]["optional"], variable["name"]  # no Secret here
+    env.update({"HOSTNAME": "fulltune-x7k2p", "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"})
+    env = {name: ":".join(remap(p) for p in value.split(":")) if name == "PATH" else remap(value) for name, value in env.items()}
+    for name in ("FT_MODEL", "FT_DATASET"):
+        env.pop(name)
+    env.update({"FT_PRESET": "demo", "HF_HUB_OFFLINE": "1"})
+    env["FT_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")  # the kubelet's /dev/termination-log
+    env.update({k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")})  # this machine's CPU workaround
+    for local in mounts.values():
+        os.makedirs(local, exist_ok=True)
+
+    command = container.get("command") or entrypoint(instructions)
+    assert command[:2] == ["/usr/bin/tini", "--"]  # tini only forwards signals and reaps; run what it runs
+    command = [shutil.which(command[2], path=env["PATH"]), *(remap(a) for a in command[3:])] + container.get("args", [])
+    return command, env, mounts[workdir]
+
+
+@pytest.mark.slow
+def test_the_rendered_pod_runs_the_demo_job_to_the_end(rendered, tmp_path):
+    command, env, cwd = _as_the_pod_runs(rendered["generic"], tmp_path)
+    assert command[0].startswith(os.path.dirname(sys.executable))
+    result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    volume = tmp_path / "output"  # the PersistentVolumeClaim's mount
+    assert (volume / "final" / "model" / "config.json").exists()
+    assert sorted(p.name for p in (volume / "checkpoints").glob("checkpoint-*"))  # a retry resumes from these
+    assert (volume / "mlflow").is_dir()  # no MLFLOW_TRACKING_URI in the ConfigMap: the store is on the volume
+
+
+def test_a_bad_value_in_the_configmap_exits_2_and_the_job_fails_without_retrying(rendered, tmp_path):
+    command, env, cwd = _as_the_pod_runs(rendered["generic"], tmp_path, {"FT_MAX_STEPS": "0"})
+    result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "FT_MAX_STEPS" in (tmp_path / "termination-log").read_text()
+    assert _policy_action(_job(rendered["generic"]), result.returncode) == "FailJob"
