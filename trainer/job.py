@@ -30,12 +30,14 @@ def run(settings: Any) -> None:
     if settings.preset == "demo":
         demo.ensure_demo(settings.output_dir)
     tokenizer = model.load_tokenizer(settings)
-    train_rows, eval_rows = data.load_splits(settings)
+    prepared = data.prepare(settings, tokenizer)  # every row checked and tokenized; exit 2 before anything else is written
+    train_rows, eval_rows = prepared.train, prepared.eval
     checkpoints.check_fingerprint(settings, state_dir, {"precision": precision})
     _print_plan(settings, precision, len(train_rows), eval_rows)
     tracking.configure(settings)
     run_name = settings.run_name or f"{settings.model.rstrip('/')}_full-fine-tuning"
     with tracking.start_run(settings, run_name)[0] as run:
+        data.log_report(prepared.report)
         final_dir = os.path.join(settings.output_dir, "final")
         if not status.get("final_model"):
             trained = _train(settings, tokenizer, train_rows, eval_rows, precision, cuda, stopper)

@@ -42,8 +42,10 @@ def sft_config(settings: Any, precision: str, activation_checkpointing: bool, cu
         load_best_model_at_end=True,
         report_to=["mlflow"],
         # -- data
+        # data.prepare() already checked, tokenized, masked (labels -100) and applied FT_MAX_LENGTH/FT_TRUNCATION
         max_length=settings.max_length,
-        assistant_only_loss=settings.loss_on == "assistant",
+        assistant_only_loss=False,  # the mask is in the labels; TRL would reject the pre-tokenized rows
+        dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,
         dataloader_pin_memory=cuda,
         # -- precision and memory

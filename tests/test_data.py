@@ -1,0 +1,213 @@
+"""Every source type and row format reaches the trainer as the same checked, tokenized rows."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from trainer import data, demo, settings
+from trainer.errors import DataError
+
+CHAT = [{"role": "user", "content": "Reverse: apple river stone"}, {"role": "assistant", "content": "stone river apple"}]
+
+
+@functools.cache
+def demo_model() -> str:
+    """The demo's tiny model and tokenizer (ChatML template without generation markers), built once."""
+    return os.path.join(demo.ensure_demo(tempfile.mkdtemp(prefix="fulltune-demo-"), rows=300), "model")
+
+
+@functools.cache
+def tokenizer(template: str | None = None):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model())
+    if template:
+        tok.chat_template = template
+    return tok
+
+
+def config(tmp_path: Path, dataset, **env: str):
+    values = {"FT_OUTPUT_DIR": str(tmp_path / "out"), "FT_MODEL": demo_model(), "FT_DATASET": str(dataset), "FT_EVAL_FRACTION": "0",
+              "FT_PLATFORM": "none", "FT_MAX_LENGTH": "256"}
+    return settings.load(values | env)
+
+
+def prepare(tmp_path: Path, dataset, template: str | None = None, **env: str) -> data.Prepared:
+    return data.prepare(config(tmp_path, dataset, **env), tokenizer(template))
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def conversations(n: int, seed: int = 7) -> list[dict]:
+    return demo.conversations(n, seed)
+
+
+def decoded(prepared: data.Prepared, index: int = 0) -> tuple[str, str]:
+    """(whole row, trained tokens only) of one prepared training row."""
+    row = prepared.train[index]
+    tok = tokenizer()
+    return tok.decode(row["input_ids"]), tok.decode([t for t in row["labels"] if t != -100])
+
+
+# -- sources ---------------------------------------------------------------------------------------
+
+
+def test_jsonl_file_trains(tmp_path):
+    prepared = prepare(tmp_path, write_jsonl(tmp_path / "train.jsonl", conversations(20)))
+    assert len(prepared.train) == 20 and set(prepared.train.column_names) == {"input_ids", "labels"}
+    assert prepared.report["format"] == "messages"
+    assert "<|im_start|>assistant" in decoded(prepared)[0]
+
+
+def test_json_array_file_trains(tmp_path):
+    (tmp_path / "train.json").write_text(json.dumps(conversations(5)))
+    assert len(prepare(tmp_path, tmp_path / "train.json").train) == 5
+
+
+def test_folder_of_parquet_shards_trains_and_names_the_shard_of_a_bad_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = conversations(30)
+    (tmp_path / "shards").mkdir()
+    for i in range(3):
+        pq.write_table(pa.Table.from_pylist(rows[i * 10:(i + 1) * 10]), tmp_path / "shards" / f"part-{i:04d}.parquet")
+    assert len(prepare(tmp_path, tmp_path / "shards").train) == 30
+
+    rows[25]["messages"][1]["role"] = "bot"
+    pq.write_table(pa.Table.from_pylist(rows[20:]), tmp_path / "shards" / "part-0002.parquet")
+    with pytest.raises(DataError, match=r"part-0002.parquet row 5: messages\[1\].role is 'bot'"):
+        prepare(tmp_path, tmp_path / "shards")
+
+
+def test_glob_of_jsonl_files_trains(tmp_path):
+    write_jsonl(tmp_path / "a-1.jsonl", conversations(4, seed=1))
+    write_jsonl(tmp_path / "a-2.jsonl", conversations(6, seed=2))
+    write_jsonl(tmp_path / "b.jsonl", conversations(50, seed=3))
+    assert len(prepare(tmp_path, tmp_path / "a-*.jsonl").train) == 10
+
+
+def test_csv_with_prompt_completion_columns_trains(tmp_path):
+    (tmp_path / "train.csv").write_text('prompt,completion\n"Reverse: apple river","river apple"\n"Reverse: stone cloud","cloud stone"\n')
+    prepared = prepare(tmp_path, tmp_path / "train.csv")
+    assert prepared.report["format"] == "prompt_completion" and len(prepared.train) == 2
+
+
+def test_save_to_disk_folder_uses_the_named_split(tmp_path):
+    import datasets
+
+    saved = datasets.DatasetDict({"train": datasets.Dataset.from_list(conversations(12)), "test": datasets.Dataset.from_list(conversations(3, seed=9))})
+    saved.save_to_disk(str(tmp_path / "saved"))
+    assert len(prepare(tmp_path, tmp_path / "saved").train) == 12
+    prepared = prepare(tmp_path, tmp_path / "saved", FT_EVAL_DATASET=str(tmp_path / "saved"))
+    assert (len(prepared.train), len(prepared.eval)) == (12, 3)  # the eval source contributes its test split
+    with pytest.raises(DataError, match="FT_DATASET_SPLIT.*'dev' is not one of them"):
+        prepare(tmp_path, tmp_path / "saved", FT_DATASET_SPLIT="dev")
+
+
+def test_object_store_url_is_read_through_fsspec(tmp_path):
+    import fsspec
+
+    with fsspec.open("memory://bucket/chats/train.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in conversations(8)))
+    prepared = prepare(tmp_path, "memory://bucket/chats/")
+    assert len(prepared.train) == 8
+
+
+def test_s3_url_without_s3fs_exits_2_naming_the_package(tmp_path):
+    pytest.importorskip("fsspec")
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("s3fs is installed here")
+    with pytest.raises(DataError, match=r"needs the s3fs package.*pip install s3fs"):
+        prepare(tmp_path, "s3://bucket/train.jsonl")
+
+
+def test_hub_id_passes_configuration_split_and_revision(tmp_path, monkeypatch):
+    import datasets
+
+    calls = []
+
+    def load_dataset(path, name=None, **kwargs):  # the hub is unreachable from the tests
+        calls.append((path, name, kwargs))
+        return datasets.Dataset.from_list(conversations(6))
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    prepared = prepare(tmp_path, "org/chats", FT_DATASET_CONFIG="en", FT_DATASET_SPLIT="train_sft", FT_DATASET_REVISION="a1b2c3")
+    assert calls == [("org/chats", "en", {"revision": "a1b2c3", "split": "train_sft"})]
+    assert len(prepared.train) == 6
+
+
+def test_missing_local_file_exits_2(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        prepare(tmp_path, tmp_path / "nope.jsonl")
+
+
+def test_eval_fraction_holds_out_the_same_rows_every_time(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", conversations(50))
+    first = prepare(tmp_path / "a", path, FT_EVAL_FRACTION="0.1")
+    second = prepare(tmp_path / "b", path, FT_EVAL_FRACTION="0.1")
+    assert (len(first.train), len(first.eval)) == (45, 5)
+    assert first.eval["input_ids"] == second.eval["input_ids"]
+
+
+# -- formats ---------------------------------------------------------------------------------------
+
+
+def test_sharegpt_file_trains(tmp_path):
+    rows = [{"conversations": [{"from": "system", "value": "You reverse lists."}, {"from": "human", "value": "Reverse: apple river"},
+                               {"from": "gpt", "value": "river apple"}]}]
+    prepared = prepare(tmp_path, write_jsonl(tmp_path / "sharegpt.jsonl", rows), FT_LOSS_ON="assistant")
+    whole, trained = decoded(prepared)
+    assert prepared.report["format"] == "sharegpt"
+    assert whole.startswith("<|im_start|>system\nYou reverse lists.<|im_end|>\n<|im_start|>user\nReverse: apple river")
+    assert trained == "river apple<|im_end|>"
+
+
+def test_prompt_completion_strings_become_a_user_and_an_assistant_turn(tmp_path):
+    prepared = prepare(tmp_path, write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Reverse: apple river", "completion": "river apple"}]),
+                       FT_LOSS_ON="assistant")
+    whole, trained = decoded(prepared)
+    assert whole == "<|im_start|>user\nReverse: apple river<|im_end|>\n<|im_start|>assistant\nriver apple<|im_end|>\n"
+    assert trained == "river apple<|im_end|>"
+
+
+def test_conversational_prompt_completion_is_joined(tmp_path):
+    rows = [{"prompt": [CHAT[0]], "completion": [CHAT[1]]}]
+    assert decoded(prepare(tmp_path, write_jsonl(tmp_path / "pc.jsonl", rows)))[0].count("<|im_start|>") == 2
+
+
+def test_plain_text_trains_every_token_and_ends_with_eos(tmp_path):
+    prepared = prepare(tmp_path, write_jsonl(tmp_path / "text.jsonl", [{"text": "apple river stone"}]))
+    whole, trained = decoded(prepared)
+    assert prepared.report["format"] == "text" and whole == trained == "apple river stone<|im_end|>"
+
+
+def test_format_variable_overrides_detection(tmp_path):
+    rows = [{"text": "apple", "conversations": [{"from": "human", "value": "Reverse: apple river"}, {"from": "gpt", "value": "river apple"}]}]
+    path = write_jsonl(tmp_path / "both.jsonl", rows)
+    assert prepare(tmp_path, path).report["format"] == "sharegpt"  # detection order: messages, sharegpt, prompt_completion, text
+    assert prepare(tmp_path, path, FT_DATA_FORMAT="text").report["format"] == "text"
+
+
+def test_conversations_stored_as_json_strings_in_a_csv_column_are_decoded(tmp_path):
+    import csv
+
+    with open(tmp_path / "train.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["messages"])
+        writer.writerow([json.dumps(CHAT)])
+    assert decoded(prepare(tmp_path, tmp_path / "train.csv"))[0].endswith("stone river apple<|im_end|>\n")
