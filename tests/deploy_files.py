@@ -36,6 +36,14 @@ def tool(name: str) -> str:
     return found
 
 
+def validators_python() -> str:
+    """The Python of .venv-deploy, for validators imported as libraries (azure-ai-ml)."""
+    python = VALIDATORS_VENV / "bin" / "python"
+    if not python.exists():
+        tool(".venv-deploy/bin/python")  # fails with the install instructions
+    return str(python)
+
+
 def dockerfile(path: Path = REPO / "Dockerfile") -> list[tuple[str, str]]:
     """The Dockerfile's instructions as (INSTRUCTION, arguments), continuation lines joined, comments dropped."""
     instructions, current = [], ""

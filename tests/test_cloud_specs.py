@@ -1,0 +1,121 @@
+"""The batch-service specs in deploy/, checked with each provider's own models: botocore's service models
+(AWS Batch, SageMaker), the aiplatform_v1 protobuf messages (Vertex AI) and azure-ai-ml's job schema."""
+
+import json
+import string
+import subprocess
+
+import botocore.session
+import yaml
+from botocore.validate import validate_parameters
+from deploy_files import REPO, validators_python
+from google.cloud import aiplatform_v1
+
+from trainer import platforms, settings
+
+DEPLOY = REPO / "deploy"
+# What the README's `envsubst` fills in; the raw files (with ${...} left in) must validate too.
+PLACEHOLDERS = {
+    "AWS_ACCOUNT_ID": "123456789012",
+    "AWS_REGION": "us-east-1",
+    "S3_BUCKET": "my-bucket",
+    "JOB_NAME": "fulltune-qwen3-4b-20260101",
+    "EFS_FILE_SYSTEM_ID": "fs-0123456789abcdef0",
+    "EFS_ACCESS_POINT_ID": "fsap-0123456789abcdef0",
+    "IMAGE": "us-docker.pkg.dev/my-project/ml/fulltune:0.1.0",
+    "BUCKET": "my-bucket",
+}
+
+
+def _texts(path):
+    raw = path.read_text()
+    filled = string.Template(raw).substitute(PLACEHOLDERS)  # KeyError on a placeholder the README does not set
+    return {"raw": raw, "filled": filled}
+
+
+def _validate_aws(service, operation, path):
+    shape = botocore.session.get_session().get_service_model(service).operation_model(operation).input_shape
+    documents = {name: json.loads(text) for name, text in _texts(path).items()}
+    for document in documents.values():
+        validate_parameters(document, shape)  # raises ParamValidationError naming the bad field
+    return documents["filled"], shape
+
+
+def _assert_known_settings(env):
+    unknown = [name for name in env if name.startswith("FT_") and name not in settings.BY_ENV_NAME]
+    assert unknown == [], "unknown FT_* variables exit 2"
+    settings.load({**env, "FT_PLATFORM": "none"})  # raises ConfigError on a bad value
+
+
+def test_aws_batch_job_definition_validates_and_retries_by_exit_code():
+    spec, _ = _validate_aws("batch", "RegisterJobDefinition", DEPLOY / "aws-batch" / "job-definition.json")
+    retry = spec["retryStrategy"]
+    actions = {rule.get("onExitCode"): rule["action"] for rule in retry["evaluateOnExit"]}
+    assert actions == {"2": "EXIT", "4": "EXIT", "75": "RETRY", "76": "RETRY", None: "RETRY"}  # None: Spot reclaim
+    assert len(retry["evaluateOnExit"]) <= 5  # the service's limit
+    assert retry["attempts"] >= 3  # Batch counts every attempt, resumed ones included
+    container = spec["containerProperties"]
+    assert {"type": "GPU", "value": "1"} in container["resourceRequirements"]
+    assert container["readonlyRootFilesystem"] is True and container["user"] == "10001"
+    env = {e["name"]: e["value"] for e in container["environment"]}
+    mounts = {m["containerPath"] for m in container["mountPoints"]}
+    assert {env["FT_OUTPUT_DIR"], "/tmp"} <= mounts  # writable places on a read-only root
+    _assert_known_settings(env)
+
+
+def test_sagemaker_training_job_validates_and_checkpoints_where_detection_looks():
+    spec, shape = _validate_aws("sagemaker", "CreateTrainingJob", DEPLOY / "sagemaker" / "training-job.json")
+    instance_types = shape.members["ResourceConfig"].members["InstanceType"].enum
+    assert spec["ResourceConfig"]["InstanceType"] in instance_types and spec["ResourceConfig"]["InstanceType"].startswith("ml.p5.")
+    assert spec["CheckpointConfig"]["LocalPath"] == platforms.SAGEMAKER_ROOT + "/checkpoints"  # becomes FT_OUTPUT_DIR
+    if spec.get("EnableManagedSpotTraining"):
+        assert spec["StoppingCondition"]["MaxWaitTimeInSeconds"] >= spec["StoppingCondition"]["MaxRuntimeInSeconds"]
+    env = spec["Environment"]
+    assert "FT_OUTPUT_DIR" not in env  # left to platform detection
+    assert int(env.get("FT_STOP_DEADLINE_SECONDS", "100")) < 120  # SageMaker sends SIGKILL 120 s after SIGTERM
+    _assert_known_settings(env)
+
+
+def test_vertex_custom_job_parses_into_the_official_custom_job_message():
+    for text in _texts(DEPLOY / "vertex" / "custom-job-spec.yaml").values():
+        spec = yaml.safe_load(text)
+        document = json.dumps({"displayName": "fulltune-qwen3-4b", "jobSpec": spec})
+        job = aiplatform_v1.CustomJob.from_json(document, ignore_unknown_fields=False)  # raises on unknown fields
+    (pool,) = job.job_spec.worker_pool_specs
+    assert pool.machine_spec.accelerator_type == aiplatform_v1.AcceleratorType.NVIDIA_H100_80GB
+    assert (pool.machine_spec.accelerator_count, pool.replica_count) == (1, 1)
+    assert job.job_spec.base_output_directory.output_uri_prefix.startswith("gs://")  # sets AIP_CHECKPOINT_DIR
+    assert job.job_spec.scheduling.restart_job_on_worker_restart
+    env = {e.name: e.value for e in pool.container_spec.env}
+    assert "FT_OUTPUT_DIR" not in env  # from AIP_CHECKPOINT_DIR, mapped to /gcs by platform detection
+    _assert_known_settings(env)
+
+
+AZURE_CHECK = """
+import sys
+from azure.ai.ml import load_job
+job = load_job(sys.argv[1])  # validates against azure-ai-ml's CommandJob schema; unknown keys are errors
+print(type(job).__name__, job.command)
+print(dict(job.environment_variables))
+"""
+
+
+def test_azureml_command_job_validates_against_the_sdk_schema(tmp_path):
+    path = tmp_path / "command-job.yml"
+    # Only ${IMAGE} is ours: $schema and ${{outputs.output_dir}} belong to Azure ML (the README runs `envsubst '$IMAGE'`).
+    path.write_text((DEPLOY / "azureml" / "command-job.yml").read_text().replace("${IMAGE}", PLACEHOLDERS["IMAGE"]))
+    result = subprocess.run([validators_python(), "-c", AZURE_CHECK, str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    kind, command = result.stdout.splitlines()[0].split(" ", 1)
+    assert kind == "Command"
+    assert command.startswith("FT_OUTPUT_DIR=${{outputs.output_dir}} python /app/entrypoint.py")
+    env = yaml.safe_load(path.read_text())["environment_variables"]
+    _assert_known_settings({**env, "FT_OUTPUT_DIR": str(tmp_path)})
+
+
+def test_azureml_schema_check_rejects_an_unknown_field(tmp_path):
+    path = tmp_path / "command-job.yml"
+    text = (DEPLOY / "azureml" / "command-job.yml").read_text().replace("${IMAGE}", PLACEHOLDERS["IMAGE"])
+    path.write_text(text.replace("\nlimits:", "\nlimitz:"))
+    result = subprocess.run([validators_python(), "-c", AZURE_CHECK, str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "limitz" in result.stderr
