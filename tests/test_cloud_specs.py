@@ -2,6 +2,7 @@
 (AWS Batch, SageMaker), the aiplatform_v1 protobuf messages (Vertex AI) and azure-ai-ml's job schema."""
 
 import json
+import re
 import string
 import subprocess
 
@@ -119,3 +120,23 @@ def test_azureml_schema_check_rejects_an_unknown_field(tmp_path):
     path.write_text(text.replace("\nlimits:", "\nlimitz:"))
     result = subprocess.run([validators_python(), "-c", AZURE_CHECK, str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "limitz" in result.stderr
+
+
+def _deploy_guide():
+    """The README's "Run it" section (between its deploy markers), or docs/deploy.md before it is merged."""
+    for path in (REPO / "README.md", REPO / "docs" / "deploy.md"):
+        if path.exists() and "<!-- deploy:start -->" in path.read_text():
+            text = path.read_text()
+            return text[text.index("<!-- deploy:start -->") : text.index("<!-- deploy:end -->")]
+    raise AssertionError("no <!-- deploy:start --> section in README.md or docs/deploy.md")
+
+
+def test_deploy_guide_has_a_copy_paste_block_per_target_naming_files_that_exist():
+    guide = _deploy_guide()
+    for target in ("Docker", "Kubernetes", "AWS Batch", "SageMaker", "Vertex AI", "Azure ML"):
+        section = guide.split(f"### Run on {target}\n", 1)[1].split("\n### ", 1)[0]
+        assert "```bash\n" in section, target
+    for path in re.findall(r"\b((?:deploy|k8s)/[\w./$-]+\.(?:json|ya?ml))", guide):
+        assert (REPO / path).exists(), path
+    for overlay in re.findall(r"k8s/overlays/(\w+)", guide) + ["generic", "gke", "eks"]:
+        assert (REPO / "k8s" / "overlays" / overlay / "kustomization.yaml").exists(), overlay
