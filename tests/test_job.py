@@ -1,0 +1,170 @@
+"""The reference job end to end on the demo preset: what lands on the volume, in MLflow and in the registry."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from conftest import committed_steps, job_env, run_job, termination_message, wait_for
+
+SECRET = "hf_do_not_leak_0123456789"
+DEMO_NAME = "demo.default.tiny_qwen3_assistant"
+
+
+@pytest.fixture(scope="module")
+def demo_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "volume"
+    result = run_job(job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET))
+    assert result.returncode == 0, result.stdout + result.stderr
+    mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow/mlflow.db")
+    return out, result
+
+
+def only_run():
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert len(runs) == 1
+    return runs[0]
+
+
+def chat(model_dir: Path, text: str) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    return tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def test_demo_job_leaves_committed_checkpoints_and_a_final_model_that_chats(demo_job):
+    out, _ = demo_job
+    assert committed_steps(out) == [20, 40]
+    answer = chat(out / "final" / "model", "Reverse: apple river stone")
+    assert answer.strip()
+
+
+def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configuration(demo_job):
+    out, result = demo_job
+    run = only_run()
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == f"{out}/demo/model_full-fine-tuning"
+    assert {"loss", "eval_loss"} <= set(run.data.metrics)
+    assert run.data.params["FT_LEARNING_RATE"] == "0.001" and run.data.params["FT_PRESET"] == "demo"
+    assert any(key.startswith("system/") for key in run.data.metrics), "system metrics are logged"
+    everything = result.stdout + result.stderr + repr(run.data.params) + repr(run.data.tags)
+    assert SECRET not in everything
+
+
+def test_demo_job_registers_a_version_linked_to_its_run_with_metadata(demo_job):
+    run = only_run()
+    version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
+    assert version.run_id == run.info.run_id
+    assert version.tags["task"] == "llm/v1/chat"
+    assert version.tags["model_family"] == "Qwen3ForCausalLM"
+    assert int(version.tags["parameter_count"]) > 100_000
+    assert version.tags["pretrained_model_name"]
+
+
+def test_registered_version_loads_with_pyfunc_and_answers_a_chat_request(demo_job):
+    model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")
+    response = model.predict({"messages": [{"role": "user", "content": "Reverse: apple river stone"}], "max_tokens": 8})
+    assert response[0]["object"] == "chat.completion"
+    assert response[0]["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_registration_is_one_copy_of_the_weights_on_the_volume(demo_job):
+    out, _ = demo_job
+    weights = [p for p in out.rglob("*.safetensors") if "checkpoints" not in p.parts and "demo" not in p.parts]
+    assert [p.relative_to(out) for p in weights] == [Path("final/model/model.safetensors")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path}/server.db",
+            "--artifacts-destination",
+            str(tmp_path / "server-artifacts"),
+        ],
+        stdout=open(tmp_path / "server.log", "w"),
+        stderr=subprocess.STDOUT,  # noqa: SIM115
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()
+            return False
+
+    wait_for(healthy, timeout=90, what="mlflow server")
+    time.sleep(1)
+    yield url
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
+    out = tmp_path / "volume"
+    env = job_env(
+        out,
+        FT_PRESET="demo",
+        FT_MAX_STEPS="10",
+        FT_EVAL_STEPS="10",
+        FT_SAVE_STEPS="10",
+        MLFLOW_TRACKING_URI=mlflow_server,
+        MLFLOW_EXPERIMENT_NAME="server-test",
+    )
+    result = run_job(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not (out / "mlflow").exists(), "with a server nothing of MLflow's is stored on the volume"
+    mlflow.set_tracking_uri(mlflow_server)
+    runs = mlflow.search_runs(experiment_names=["server-test"], output_format="list")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert "eval_loss" in runs[0].data.metrics
+    version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
+    assert version.run_id == runs[0].info.run_id
+    model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")
+    assert model.predict({"messages": [{"role": "user", "content": "Reverse: apple stone"}], "max_tokens": 4})
+
+
+def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(tmp_path):
+    out = tmp_path / "volume"
+    env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_STEPS="10")
+    bad_registry = env | {"MLFLOW_REGISTRY_URI": "http://127.0.0.1:9", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
+    result = run_job(bad_registry)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"saved at {out}/final" in result.stderr
+    assert (out / "final" / "model" / "model.safetensors").exists()
+    assert "exit 3" in termination_message(env)
+
+    retry = run_job(env)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    assert "starting from step" not in retry.stdout and "resuming" not in retry.stdout
+    assert f"registered {DEMO_NAME}/1" in retry.stdout
