@@ -70,9 +70,18 @@ class StopAbandoned(FulltuneError):
     show_traceback = False
 
 
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+
+
 def termination_message_path() -> str | None:
-    """Where Kubernetes (and batch consoles) read the reason a container ended."""
-    path = os.environ.get("FT_TERMINATION_MESSAGE_PATH", "/dev/termination-log")
+    """Where Kubernetes (and batch consoles) read the reason a container ended.
+
+    The default is used only where it exists (Kubernetes mounts it into every container), so a run
+    on a laptop as root does not create a file under /dev.  An explicit path is always written.
+    """
+    path = os.environ.get("FT_TERMINATION_MESSAGE_PATH", DEFAULT_TERMINATION_LOG)
+    if path == DEFAULT_TERMINATION_LOG and not os.path.exists(path):
+        return None
     return path or None
 
 
