@@ -40,6 +40,14 @@ class Setting:
         return PREFIX + self.name
 
     @property
+    def allowed(self) -> str:
+        """What a valid value looks like, for error messages."""
+        if isinstance(self.kind, tuple):
+            return "one of " + ", ".join(self.kind)
+        floor = f" >= {self.minimum:g}" if self.minimum is not None else ""
+        return {int: f"an integer{floor}", float: f"a number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
+
+    @property
     def type_name(self) -> str:
         if isinstance(self.kind, tuple):
             return " \\| ".join(f"`{c}`" for c in self.kind)
@@ -85,6 +93,16 @@ TABLE: tuple[Setting, ...] = (
     # -- Hardware ------------------------------------------------------------------------------
     S("PRECISION", ("auto", "fp32", "bf16-mixed"), "auto", "`bf16-mixed`: fp32 master weights and optimizer, bf16 compute (no update is lost). `auto`: bf16-mixed on a bf16-capable GPU, fp32 on CPU (bf16 on CPU is 7-25x slower).", "Hardware"),
     S("ACTIVATION_CHECKPOINTING", ("auto", "on", "off"), "auto", "Recompute activations in the backward pass (non-reentrant). `auto`: on for GPU, off on CPU.", "Hardware"),
+    # -- Throughput ----------------------------------------------------------------------------
+    S("BATCH_LAYOUT", ("auto", "as-set"), "auto", "`auto`: each optimizer step still trains on `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` sequences in the same order (same loss, same updates), but in as few forward passes as the memory plan fits (one on CPU). `as-set`: exactly `FT_BATCH_SIZE` sequences per pass, as TRL does.", "Throughput"),
+    S("PADDING_FREE", ("auto", "on", "off"), "auto", "Concatenate the sequences of a forward pass into one row without padding (TRL `padding_free`; each sequence still attends only to itself, through `position_ids`). `auto`: on with a GPU, off on CPU, where the attention over the concatenated row is slower than the padding it saves.", "Throughput"),
+    S("OPTIMIZER", ("auto", "adamw_torch", "adamw_torch_fused"), "auto", "AdamW implementation; the update is the same. `auto`: the fused kernel (one launch for all parameters) on GPU, the loop on CPU.", "Throughput"),
+    S("COMPILE", bool, False, "`torch.compile` the model. Off until measured on the target GPU: the first steps compile for minutes.", "Throughput"),
+    S("LIGER", bool, False, "Liger Triton kernels for RMSNorm, SwiGLU and RoPE (needs the `liger-kernel` package and a GPU). The loss never materialises the full logits either way: TRL computes it in chunks.", "Throughput"),
+    S("EVAL_MAX_SAMPLES", int, 0, "Evaluate on at most this many validation rows (the first ones of the split, always the same); 0 = all of them.", "Throughput", minimum=0),
+    S("DATALOADER_WORKERS", int, 0, "Background processes that collate batches; 0 = in the training process (batches are tokenized up front, so collation is cheap).", "Throughput", minimum=0),
+    S("PREFLIGHT", ("fail", "warn", "off"), "fail", "Before loading weights: estimate peak GPU memory from the model config and check the volume has room for the checkpoints. `fail`: exit 2 with the breakdown and the settings that would fit; `warn`: print it and go on.", "Throughput"),
+    S("GPU_MEMORY_GB", float, 0.0, "GPU memory the plan must fit, in GB; 0 = what the device reports. Set it to plan for a smaller card than the one at hand.", "Throughput", minimum=0.0),
     # -- Tracking and registry -----------------------------------------------------------------
     S("REGISTERED_MODEL", str, "main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog); empty = do not register.", "Tracking and registry"),
     S("RUN_NAME", str, "", "MLflow run name; empty = `<model>_full-fine-tuning`.", "Tracking and registry"),
@@ -148,9 +166,9 @@ def load(environ: Mapping[str, str] | None = None) -> Any:
         values = {}
         for s in TABLE:
             if isinstance(s.kind, tuple):
-                values[s.name] = env.str(s.name, s.default, validate=OneOf(s.kind, error=f"must be one of {', '.join(s.kind)}"))
+                values[s.name] = env.str(s.name, s.default, validate=OneOf(s.kind, error="not a valid choice"))
             else:
-                validate = Range(min=s.minimum, error="must be >= {min}") if s.minimum is not None else None
+                validate = Range(min=s.minimum, error="out of range") if s.minimum is not None else None
                 parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]
                 values[s.name] = parse(s.name, s.default, validate=validate)
         problems: dict[str, str] = {}
@@ -158,7 +176,7 @@ def load(environ: Mapping[str, str] | None = None) -> Any:
             env.seal()
         except EnvValidationError as error:
             for name, messages in error.error_messages.items():
-                problems[name] = "; ".join(str(m) for m in messages)
+                problems[name] = "; ".join(str(m).rstrip(".") for m in messages) + f" (allowed: {BY_ENV_NAME[name].allowed})"
     finally:
         for k, v in saved.items():
             if v is None:
@@ -224,3 +242,22 @@ def readme_table() -> str:
         default = "*(empty)*" if s.default == "" else f"`{s.default}`"
         out.append(f"| `{s.env_name}` | {s.type_name} | {default} | {s.help} |")
     return "\n".join(out).strip() + "\n"
+
+
+def update_readme(path: str = "README.md") -> None:
+    """Rewrite the README's generated tables: `python -m trainer.settings`."""
+    from trainer.errors import EXIT_CODES
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    codes = "| Code | Meaning |\n|---|---|\n" + "".join(f"| {code} | {meaning} |\n" for code, meaning in EXIT_CODES.items())
+    for marker, body in (("settings", readme_table()), ("exit-codes", codes)):
+        start, end = f"<!-- {marker}:start -->\n", f"<!-- {marker}:end -->"
+        head, rest = text.split(start)
+        text = head + start + body + end + rest.split(end, 1)[1]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    update_readme()

@@ -1,0 +1,103 @@
+"""The FT_* contract: names, validation, presets, and the README that documents them."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from conftest import ROOT, job_env, run_job, termination_message
+from trainer import errors, settings
+from trainer.errors import ConfigError
+
+# The public names. Removing or renaming one breaks users' manifests: change this set on purpose only.
+PUBLIC_NAMES = {
+    "FT_PRESET", "FT_MODEL", "FT_MODEL_REVISION", "FT_TRUST_REMOTE_CODE", "FT_DATASET", "FT_DATASET_CONFIG",
+    "FT_DATASET_SPLIT", "FT_DATASET_REVISION", "FT_EVAL_DATASET", "FT_EVAL_FRACTION", "FT_DATA_FORMAT", "FT_BAD_ROWS",
+    "FT_LOSS_ON", "FT_MAX_LENGTH", "FT_TRUNCATION", "FT_MAX_STEPS", "FT_LEARNING_RATE", "FT_LR_SCHEDULER",
+    "FT_WARMUP_STEPS", "FT_WEIGHT_DECAY", "FT_MAX_GRAD_NORM", "FT_BATCH_SIZE", "FT_GRADIENT_ACCUMULATION_STEPS",
+    "FT_SEED", "FT_EVAL_STEPS", "FT_EVAL_BATCH_SIZE", "FT_SAVE_STEPS", "FT_SAVE_TOTAL_LIMIT", "FT_LOGGING_STEPS",
+    "FT_OUTPUT_DIR", "FT_PRECISION", "FT_ACTIVATION_CHECKPOINTING", "FT_REGISTERED_MODEL", "FT_RUN_NAME",
+    "FT_SYSTEM_METRICS", "FT_PLATFORM", "FT_STOP_DEADLINE_SECONDS", "FT_ALLOW_CONFIG_CHANGE",
+    "FT_TERMINATION_MESSAGE_PATH",
+}
+
+
+def test_public_setting_names_are_all_present():
+    assert PUBLIC_NAMES <= set(settings.BY_ENV_NAME)
+
+
+def test_defaults_are_the_reference_recipe():
+    config = settings.load({"FT_PLATFORM": "none"})
+    assert (config.model, config.dataset, config.output_dir) == ("Qwen/Qwen3-4B", "trl-lib/Capybara", "/output")
+    assert (config.batch_size, config.gradient_accumulation_steps, config.learning_rate, config.max_steps) == (1, 8, 2e-5, 50)
+    assert (config.warmup_steps, config.weight_decay, config.eval_steps, config.save_steps) == (10, 0.01, 25, 25)
+    assert (config.logging_steps, config.save_total_limit, config.eval_fraction, config.seed) == (10, 2, 0.1, 42)
+    assert config.registered_model == "main.default.qwen3_4b_assistant"
+    assert config.trust_remote_code is False
+
+
+def test_bad_values_exit_2_within_seconds_naming_every_variable(tmp_path):
+    env = job_env(tmp_path / "volume", FT_LEARNING_RATE="fast", FT_MAX_STEPS="-3", FT_BATCH_SIZE="0")
+    started = time.monotonic()
+    result = run_job(env, timeout=60)
+    assert time.monotonic() - started < 10
+    assert result.returncode == 2
+    for expected in ("FT_LEARNING_RATE='fast'", "FT_MAX_STEPS='-3'", "FT_BATCH_SIZE='0'", "allowed: an integer >= 1"):
+        assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "FT_LEARNING_RATE" in termination_message(env)
+    assert not (tmp_path / "volume").exists(), "nothing is written before the settings are valid"
+
+
+def test_an_unknown_ft_variable_is_rejected_and_a_secret_looking_value_is_masked():
+    with pytest.raises(ConfigError, match=r"FT_LEARNIN_RATE='1e-4': is not a fulltune setting") as caught:
+        settings.load({"FT_LEARNIN_RATE": "1e-4", "FT_API_TOKEN": "hunter2"})
+    assert "FT_API_TOKEN=****" in str(caught.value) and "hunter2" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"FT_PRECISION": "fp16"}, r"FT_PRECISION='fp16': not a valid choice \(allowed: one of auto, fp32, bf16-mixed\)"),
+        ({"FT_TRUST_REMOTE_CODE": "maybe"}, r"FT_TRUST_REMOTE_CODE='maybe': Not a valid boolean"),
+        ({"FT_SAVE_STEPS": "30"}, r"FT_SAVE_STEPS='30': must be a multiple of FT_EVAL_STEPS=25"),
+        ({"FT_EVAL_FRACTION": "1.5"}, r"FT_EVAL_FRACTION='1.5': must be >= 0 and < 1"),
+        ({"FT_REGISTERED_MODEL": "a.b.c.d"}, r"FT_REGISTERED_MODEL='a.b.c.d': must be `model` or `catalog.schema.model`"),
+    ],
+)
+def test_invalid_setting_is_named_with_what_is_allowed(env, message):
+    with pytest.raises(ConfigError, match=message):
+        settings.load(env | {"FT_PLATFORM": "none"})
+
+
+def test_explicit_variables_override_the_demo_preset():
+    config = settings.load({"FT_PRESET": "demo", "FT_OUTPUT_DIR": "/v", "FT_MAX_STEPS": "7", "FT_PLATFORM": "none"})
+    assert config.max_steps == 7
+    assert config.model == "/v/demo/model" and config.learning_rate == 1e-3
+
+
+def test_params_for_mlflow_are_the_effective_ft_values():
+    params = settings.as_params(settings.load({"FT_MAX_STEPS": "9", "FT_PLATFORM": "none"}))
+    assert params["FT_MAX_STEPS"] == "9"
+    assert set(params) - {"detected_platform"} == set(settings.BY_ENV_NAME)
+
+
+def test_readme_tables_match_the_code():
+    readme = (ROOT / "README.md").read_text()
+    assert settings.readme_table() in readme, "run `python -m trainer.settings` to regenerate the README's tables"
+    for code, meaning in errors.EXIT_CODES.items():
+        assert f"| {code} | {meaning} |" in readme
+
+
+def test_every_error_class_has_a_documented_exit_code():
+    classes = [errors.FulltuneError, *errors.FulltuneError.__subclasses__()]
+    assert len(classes) >= 6
+    for cls in classes:
+        assert cls.exit_code in errors.EXIT_CODES, cls
+
+
+def test_every_setting_has_help_a_type_and_a_group():
+    for s in settings.TABLE:
+        assert s.help and s.group and re.fullmatch(r"[A-Z0-9_]+", s.name), s
