@@ -8,7 +8,7 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, model, preemption, recipe, tracking
+from trainer import checkpoints, data, demo, memory, model, preemption, progress, recipe, tracking
 from trainer import settings as settings_table
 from trainer.errors import Preempted, exit_code_for
 
@@ -29,6 +29,7 @@ def run(settings: Any) -> None:
     precision = model.resolve_precision(settings, cuda, cuda and torch.cuda.is_bf16_supported())
     if settings.preset == "demo":
         demo.ensure_demo(settings.output_dir)
+    plan = memory.preflight(settings, precision, cuda)  # from config.json alone: exit 2 before weights or data are downloaded
     tokenizer = model.load_tokenizer(settings)
     prepared = data.prepare(settings, tokenizer)  # every row checked and tokenized; exit 2 before anything else is written
     train_rows, eval_rows = prepared.train, prepared.eval
@@ -40,7 +41,7 @@ def run(settings: Any) -> None:
         data.log_report(prepared.report)
         final_dir = os.path.join(settings.output_dir, "final")
         if not status.get("final_model"):
-            trained = _train(settings, tokenizer, train_rows, eval_rows, precision, cuda, stopper)
+            trained = _train(settings, tokenizer, train_rows, eval_rows, precision, plan, cuda, stopper)
             metadata = _save_final(settings, trained, tokenizer, final_dir, precision)
             _write_status(state_dir, final_model=final_dir, metadata=metadata)
         print(f"fulltune: final model: {final_dir}/model (transformers) and {final_dir} (MLflow model)", flush=True)
@@ -50,21 +51,22 @@ def run(settings: Any) -> None:
             print(f"fulltune: registered {version} (run {run.info.run_id})", flush=True)
 
 
-def _train(settings, tokenizer, train_rows, eval_rows, precision, cuda, stopper) -> Any:
+def _train(settings, tokenizer, train_rows, eval_rows, precision, plan, cuda, stopper) -> Any:
     from trl import SFTTrainer
 
     checkpoint_dir = os.path.join(settings.output_dir, "checkpoints")
     resume = checkpoints.latest_for_resume(checkpoint_dir, os.path.join(settings.output_dir, "incomplete"))
     if stopper.requested:
         raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-    net = model.load_model(settings, tokenizer)
+    net = recipe.prepare_model(model.load_model(settings, tokenizer), settings, cuda)
     trainer = SFTTrainer(
         model=net,
-        args=recipe.sft_config(settings, precision, model.resolve_activation_checkpointing(settings, cuda), cuda),
+        args=recipe.sft_config(settings, precision, plan, cuda),
+        data_collator=recipe.collator(settings, tokenizer, cuda),
         train_dataset=train_rows,
-        eval_dataset=eval_rows,
+        eval_dataset=recipe.eval_rows(settings, eval_rows),
         processing_class=tokenizer,
-        callbacks=[checkpoints.CommitCheckpoints(settings.save_total_limit), stopper],
+        callbacks=[checkpoints.CommitCheckpoints(settings.save_total_limit), stopper, progress.Progress(net.config, net.num_parameters(), settings.batch_size * settings.gradient_accumulation_steps, cuda)],
     )
     print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
     trainer.train(resume_from_checkpoint=resume)

@@ -2,9 +2,21 @@
 
 Where we differ from the notebook on purpose:
 - precision: fp32 master weights with bf16 autocast instead of bf16 weights updated in place;
-- `activation_checkpointing` replaces the deprecated `gradient_checkpointing` name;
+- `activation_checkpointing` replaces the deprecated `gradient_checkpointing` name, and is chosen by
+  the memory plan (trainer/memory.py): off when the step fits without recomputation, and always off on CPU;
+- batch layout (`FT_BATCH_LAYOUT=auto`): the notebook's 1 sequence x 8 accumulation passes become as
+  few passes as the memory plan fits (8 x 1 on CPU).  Each optimizer step sees the same 8 sequences in
+  the same order, and the loss is normalised by the step's token count either way, so the updates are
+  the same (bench/RESULTS.md: per-step loss within 1 %);
+- evaluation runs at the training pass's batch size (or `FT_EVAL_BATCH_SIZE` if larger), optionally on
+  the first `FT_EVAL_MAX_SAMPLES` validation rows only;
+- padding-free passes (`FT_PADDING_FREE`) through our per-sequence attention (trainer/attention.py),
+  on GPU by default;
+- fused AdamW on GPU (`FT_OPTIMIZER`), optional `torch.compile` (`FT_COMPILE`) and Liger kernels (`FT_LIGER`);
 - retention is done by checkpoints.CommitCheckpoints (`save_total_limit` is left unset here);
 - `report_to="mlflow"` logs into the run tracking.start_run opened (one run per job).
+
+The loss never materialises the full (tokens x vocabulary) logits: TRL 1.16 computes it in chunks.
 """
 
 from __future__ import annotations
@@ -13,15 +25,59 @@ import os
 from typing import Any
 
 
-def sft_config(settings: Any, precision: str, activation_checkpointing: bool, cuda: bool) -> Any:
+def padding_free(settings: Any, cuda: bool) -> bool:
+    """`auto`: on with a GPU; on CPU the per-sequence attention loop costs more than the padding it saves
+    on short conversations (bench/RESULTS.md)."""
+    if settings.padding_free == "auto":
+        return cuda
+    return settings.padding_free == "on"
+
+
+def optimizer(settings: Any, cuda: bool) -> str:
+    if settings.optimizer == "auto":
+        return "adamw_torch_fused" if cuda else "adamw_torch"
+    return settings.optimizer
+
+
+def prepare_model(net: Any, settings: Any, cuda: bool) -> Any:
+    """Switch the loaded model to per-sequence attention when passes are padding-free."""
+    if padding_free(settings, cuda) and net.config._attn_implementation not in ("flash_attention_2", "flash_attention_3"):
+        from trainer import attention
+
+        net.set_attn_implementation(attention.register())
+    return net
+
+
+def collator(settings: Any, tokenizer: Any, cuda: bool) -> Any:
+    """TRL's collator in padding-free mode, or None for TRL's default (padded).
+
+    Passed explicitly because TRL 1.16 refuses `padding_free=True` with a `max_length` unless packing is
+    on, although its dataset preparation truncates to `max_length` before collation either way.
+    """
+    if not padding_free(settings, cuda):
+        return None
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)
+
+
+def eval_rows(settings: Any, rows: Any) -> Any:
+    """The validation rows evaluated: all, or the first FT_EVAL_MAX_SAMPLES (the same ones every time)."""
+    if rows is None or not settings.eval_max_samples or len(rows) <= settings.eval_max_samples:
+        return rows
+    return rows.select(range(settings.eval_max_samples))
+
+
+def sft_config(settings: Any, precision: str, plan: Any, cuda: bool) -> Any:
+    """`plan` (trainer.memory.Plan) gives the passes per step and whether activations are recomputed."""
     from trl import SFTConfig
 
     return SFTConfig(
         output_dir=os.path.join(settings.output_dir, "checkpoints"),
         # -- batch and schedule
-        per_device_train_batch_size=settings.batch_size,
-        per_device_eval_batch_size=settings.eval_batch_size,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        per_device_train_batch_size=plan.sequences_per_pass,
+        per_device_eval_batch_size=max(settings.eval_batch_size, plan.sequences_per_pass if settings.batch_layout == "auto" else 1),
+        gradient_accumulation_steps=plan.passes_per_step,
         learning_rate=settings.learning_rate,
         lr_scheduler_type=settings.lr_scheduler,
         max_steps=settings.max_steps,
@@ -48,11 +104,16 @@ def sft_config(settings: Any, precision: str, activation_checkpointing: bool, cu
         dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,
         dataloader_pin_memory=cuda,
-        # -- precision and memory
+        dataloader_num_workers=settings.dataloader_workers,
+        dataloader_persistent_workers=settings.dataloader_workers > 0,
+        # -- precision, memory and speed
         bf16=precision == "bf16-mixed",
         fp16=False,
         use_cpu=not cuda,
-        activation_checkpointing=activation_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if activation_checkpointing else None,
+        activation_checkpointing=plan.checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if plan.checkpointing else None,
+        optim=optimizer(settings, cuda),
+        torch_compile=settings.compile,
+        use_liger_kernel=settings.liger,
         disable_tqdm=True,
     )

@@ -1,0 +1,217 @@
+"""Memory and disk preflight: will this configuration fit, worked out before any weight is downloaded.
+
+The GPU estimate needs only the model's config.json (a few KB).  It adds up, for the worst forward
+pass the settings allow (every sequence at `FT_MAX_LENGTH`):
+
+  weights      fp32 master copy                                  4 B/param
+  gradients    fp32                                              4 B/param
+  optimizer    AdamW exp_avg + exp_avg_sq, fp32                  8 B/param
+  bf16 copies  autocast's cast of every weight, alive while a forward holds it (no recomputation, or a
+               forward that runs while the previous pass's gradients exist)      2 B/param
+  activations  per token: each layer's saved tensors (or, with recomputation, each layer's input plus
+               one layer recomputed in the backward)
+  loss         TRL's chunked log-prob tiles (4096 tokens x 32768 vocab), never the full logits
+  workspace    CUDA context, cuBLAS workspace and allocator slack (1 GiB + 5 %)
+
+The activation coefficients were fitted to measured peaks on CPU (fp32, `tests/test_memory.py` keeps
+the error within `TOLERANCE`); the bf16 coefficients follow the same tensor count with 2-byte
+matmul outputs and are pending a measurement on the GPU (bench/RESULTS.md).
+
+The disk check needs: a checkpoint (fp32 weights + AdamW states = 12 B/param, measured 3.0x the fp32
+weights on the demo model) times the retained ones (`FT_SAVE_TOTAL_LIMIT` + the best + the one being
+written before the oldest is deleted), plus the final model (bf16 on GPU, fp32 on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Any
+
+from trainer.errors import ConfigError
+
+GB = 1e9
+TOLERANCE = 0.15  # allowed error against measured peaks; measured -3 % and +1 % on CPU (tests/test_memory.py, bench/RESULTS.md)
+LOSS_TILE_TOKENS, LOSS_TILE_VOCAB = 4096, 32768  # trl.kernels.chunked_logprob tile
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the job will run with, and what it is expected to cost."""
+
+    sequences_per_pass: int
+    passes_per_step: int
+    checkpointing: bool
+    breakdown: dict[str, float]  # bytes, by component
+    capacity: float  # bytes; 0 = no device limit (CPU)
+
+    @property
+    def peak(self) -> float:
+        return sum(self.breakdown.values())
+
+    @property
+    def fits(self) -> bool:
+        return not self.capacity or self.peak <= self.capacity
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.breakdown.items())
+        limit = f" of {self.capacity / GB:.1f} GB" if self.capacity else " (no device limit)"
+        return (
+            f"{self.sequences_per_pass} sequences x {self.passes_per_step} passes per step, activation checkpointing "
+            f"{'on' if self.checkpointing else 'off'}: peak ~{self.peak / GB:.1f} GB{limit} ({parts} GB)"
+        )
+
+
+def shape(config: Any) -> dict[str, int]:
+    """The sizes the estimate needs, from a transformers config of a decoder-only model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    return {
+        "layers": text.num_hidden_layers,
+        "hidden": hidden,
+        "q": heads * head_dim,
+        "kv": (getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+        "intermediate": getattr(text, "intermediate_size", None) or 4 * hidden,
+        "vocab": text.vocab_size,
+    }
+
+
+def layer_bytes_per_token(s: dict[str, int], act: int) -> float:
+    """Tensors one decoder layer saves for its backward, per token (`act`: bytes of a matmul output)."""
+    h, q, kv, inter = s["hidden"], s["q"], s["kv"], s["intermediate"]
+    norms = 4 * 4 * h  # two RMSNorms: fp32 input and normalised output each
+    attention = act * (q + 2 * kv) + 4 * 2 * (q + kv) + act * 2 * (q + kv) + act * 2 * q  # qkv, q/k norms, rope, out
+    mlp = act * 4 * inter  # gate, up, activation, product
+    return norms + attention + mlp
+
+
+def estimate(config: Any, n_params: int, *, precision: str, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpointing: bool) -> dict[str, float]:
+    """Peak bytes by component for one configuration (see the module docstring)."""
+    s = shape(config)
+    mixed = precision == "bf16-mixed"
+    act = 2 if mixed else 4
+    tokens = sequences_per_pass * max_length
+    per_layer = layer_bytes_per_token(s, act)
+    if checkpointing:  # each layer's fp32 input, plus one layer recomputed and its gradients in flight
+        activations = tokens * (s["layers"] * 4 * s["hidden"] + 2 * per_layer)
+    else:
+        activations = tokens * s["layers"] * per_layer
+    activations += tokens * 4 * s["hidden"] * 3  # embeddings output, final norm, its gradient
+    breakdown = {
+        "weights": 4.0 * n_params,
+        "gradients": 4.0 * n_params,
+        "optimizer": 8.0 * n_params,
+    }
+    if mixed and (not checkpointing or passes_per_step > 1):
+        breakdown["bf16 copies"] = 2.0 * n_params
+    breakdown["activations"] = float(activations)
+    breakdown["loss"] = float(min(tokens, LOSS_TILE_TOKENS) * min(s["vocab"], LOSS_TILE_VOCAB) * 4 * 3)
+    if mixed:  # only on GPU: CUDA context and allocator slack
+        breakdown["workspace"] = 2**30 + 0.05 * sum(breakdown.values())
+    return breakdown
+
+
+def plan(config: Any, n_params: int, settings: Any, precision: str, capacity: float, checkpointing: str) -> Plan:
+    """Fewest forward passes per step, then no recomputation, that fit `capacity` (0 = no limit).
+
+    `checkpointing` is `on`, `off` or `auto`; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
+    """
+    effective = settings.batch_size * settings.gradient_accumulation_steps
+    if settings.batch_layout == "as-set":
+        layouts = [(settings.batch_size, settings.gradient_accumulation_steps)]
+    else:
+        layouts = [(effective // p, p) for p in range(1, effective + 1) if effective % p == 0]
+    policies = {"on": [True], "off": [False]}.get(checkpointing, [False, True] if capacity else [False])
+    candidates = []
+    for per_pass, passes in layouts:
+        for gc in policies:
+            breakdown = estimate(config, n_params, precision=precision, sequences_per_pass=per_pass, passes_per_step=passes, max_length=settings.max_length, checkpointing=gc)
+            candidates.append(Plan(per_pass, passes, gc, breakdown, capacity))
+    fitting = [c for c in candidates if c.fits]
+    return fitting[0] if fitting else min(candidates, key=lambda c: c.peak)
+
+
+def _fixes(config: Any, n_params: int, settings: Any, precision: str, capacity: float) -> list[str]:
+    """Settings that would make the job fit, each checked against the same estimate."""
+    fixes = []
+    for length in (settings.max_length // 2, settings.max_length // 4):
+        if length >= 256 and plan(config, n_params, dataclasses.replace(settings, max_length=length), precision, capacity, "auto").fits:
+            fixes.append(f"FT_MAX_LENGTH={length}")
+            break
+    one = dataclasses.replace(settings, batch_layout="as-set", batch_size=1, gradient_accumulation_steps=settings.batch_size * settings.gradient_accumulation_steps)
+    if plan(config, n_params, one, precision, capacity, "on").fits:
+        fixes.append(f"FT_BATCH_SIZE=1 FT_GRADIENT_ACCUMULATION_STEPS={one.gradient_accumulation_steps} FT_BATCH_LAYOUT=as-set FT_ACTIVATION_CHECKPOINTING=on")
+    if not fixes:
+        weights_only = 16 * n_params / GB
+        fixes.append(f"a GPU with more memory: weights, gradients and AdamW states alone take {weights_only:.0f} GB (16 B/param)")
+    return fixes
+
+
+def device_capacity(settings: Any, cuda: bool) -> float:
+    if settings.gpu_memory_gb:
+        return settings.gpu_memory_gb * GB
+    if not cuda:
+        return 0.0
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory)
+
+
+def checkpoint_bytes(n_params: int) -> float:
+    """fp32 weights (4 B/param) + fp32 AdamW states (8 B/param); measured 3.0x the weights file."""
+    return 12.0 * n_params
+
+
+def check_disk(settings: Any, n_params: int, precision: str) -> str | None:
+    """None when the volume has room for the retained checkpoints and the final model, else the problem."""
+    folder = os.path.abspath(settings.output_dir)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    checkpoint_dir = os.path.join(settings.output_dir, "checkpoints")
+    existing = sum(1 for n in os.listdir(checkpoint_dir) if n.startswith("checkpoint-")) if os.path.isdir(checkpoint_dir) else 0
+    steps_saved = settings.max_steps // settings.save_steps
+    retained = min(settings.save_total_limit + 2, steps_saved)  # + the best + the one written before rotation
+    new = max(retained - existing, 0)
+    final = (2 if precision == "bf16-mixed" else 4) * n_params
+    need = new * checkpoint_bytes(n_params) + final
+    if need <= free:
+        return None
+    return (
+        f"the volume at {folder} has {free / GB:.1f} GB free; this job needs ~{need / GB:.1f} GB: {new} more checkpoint(s) of "
+        f"{checkpoint_bytes(n_params) / GB:.1f} GB (fp32 weights + AdamW states; FT_SAVE_TOTAL_LIMIT={settings.save_total_limit} + the best "
+        f"+ the one being written) and the final model ({final / GB:.1f} GB). Lower FT_SAVE_TOTAL_LIMIT, raise FT_SAVE_STEPS, "
+        "or mount a larger FT_OUTPUT_DIR volume."
+    )
+
+
+def preflight(settings: Any, precision: str, cuda: bool) -> Plan:
+    """Plan passes and recomputation from the model config, then check GPU memory and disk space.
+
+    Raises ConfigError (exit 2) when either does not fit and FT_PREFLIGHT=fail.
+    """
+    from trainer import model
+
+    config = model.read_config(settings)
+    n_params = model.parameter_count(config)
+    capacity = device_capacity(settings, cuda)
+    chosen = plan(config, n_params, settings, precision, capacity, settings.activation_checkpointing)
+    if settings.activation_checkpointing == "auto" and not capacity:
+        chosen = dataclasses.replace(chosen, checkpointing=False)  # CPU: recomputation only costs time
+    print(f"fulltune: memory plan: {chosen.describe()}", flush=True)
+    problems = []
+    if settings.preflight == "off":
+        return chosen
+    if not chosen.fits:
+        fixes = "; or ".join(_fixes(config, n_params, settings, precision, capacity))
+        problems.append(f"the estimated peak GPU memory does not fit: {chosen.describe()}. To fit, set {fixes} (or FT_PREFLIGHT=warn to try anyway).")
+    disk = check_disk(settings, n_params, precision)
+    if disk:
+        problems.append(disk)
+    if problems and settings.preflight == "fail":
+        raise ConfigError("preflight: " + " ".join(problems))
+    for problem in problems:
+        print(f"fulltune: preflight warning: {problem}", flush=True)
+    return chosen
