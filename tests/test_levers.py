@@ -1,0 +1,57 @@
+"""Throughput levers change the speed, not the math."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer import recipe
+from trainer import settings as settings_table
+
+
+def _tiny_model():
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def test_per_sequence_attention_matches_sdpa_on_padding_free_and_padded_batches():
+    import torch
+
+    from trainer import attention
+
+    net = _tiny_model()
+    lengths = [30, 50, 17]
+    seqs = [torch.randint(0, 512, (n,)) for n in lengths]
+    with torch.no_grad():
+        reference = torch.cat([net(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
+        net.set_attn_implementation(attention.register())
+        bounds = torch.tensor([0, 30, 80, 97], dtype=torch.int32)
+        flat = net(input_ids=torch.cat(seqs)[None], position_ids=torch.cat([torch.arange(n) for n in lengths])[None], use_cache=False, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds).logits[0]
+        ids, mask = torch.zeros(3, 50, dtype=torch.long), torch.zeros(3, 50, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s)], mask[row, : len(s)] = s, 1
+        padded = net(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(flat, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([padded[row, :n] for row, n in enumerate(lengths)]), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_levers_are_device_aware():
+    settings = settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused"})
+    assert not recipe.padding_free(settings, cuda=False) and recipe.padding_free(settings, cuda=True)
+    assert recipe.optimizer(settings, cuda=False) == "adamw_torch" and recipe.optimizer(settings, cuda=True) == "adamw_torch_fused"
+
+
+def test_regrouped_passes_keep_the_sequences_per_step_and_the_recipe():
+    pytest.importorskip("trl")
+    from trainer.memory import Plan
+
+    settings = settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused", "FT_EVAL_MAX_SAMPLES": "3"})
+    config = recipe.sft_config(settings, "fp32", Plan(8, 1, False, {}, 0.0), cuda=False)
+    assert config.per_device_train_batch_size * config.gradient_accumulation_steps == settings.batch_size * settings.gradient_accumulation_steps
+    assert config.per_device_eval_batch_size == 8 and config.learning_rate == 2e-5 and not config.activation_checkpointing
+    from datasets import Dataset
+
+    assert len(recipe.eval_rows(settings, Dataset.from_dict({"x": list(range(10))}))) == 3

@@ -1,0 +1,95 @@
+"""Memory and disk preflight: the estimate against measured peaks, and exit 2 naming what to change."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT, job_env, run_job, termination_message
+from trainer import memory
+
+QWEN3_4B = ROOT / "bench" / "qwen3-4b-config.json"
+
+
+def _settings(**changes):
+    from trainer import settings as settings_table
+
+    env = {"FT_MODEL": str(QWEN3_4B.parent), "FT_OUTPUT_DIR": "/tmp/unused", "FT_MAX_LENGTH": "2048"} | changes
+    return settings_table.load(env)
+
+
+def test_qwen3_4b_needs_16_bytes_per_parameter_before_activations():
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**{k: v for k, v in json.loads(QWEN3_4B.read_text()).items() if k not in ("architectures", "torch_dtype")})
+    from trainer.model import parameter_count
+
+    n = parameter_count(config)
+    assert 4.0e9 < n < 4.05e9
+    parts = memory.estimate(config, n, precision="bf16-mixed", sequences_per_pass=1, passes_per_step=8, max_length=2048, checkpointing=True)
+    assert parts["weights"] + parts["gradients"] + parts["optimizer"] == pytest.approx(16 * n)
+    assert parts["loss"] < 2e9  # chunked: never (tokens x 151936) logits
+
+
+MEASURE = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from trainer import memory
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=16000, hidden_size=384, intermediate_size=1152, num_hidden_layers=4, num_attention_heads=6,
+                         num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    net = Qwen3ForCausalLM(config)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    ids = torch.randint(0, 16000, (4, 256))
+    for _ in range(2):
+        net(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    n = sum(p.numel() for p in net.parameters())
+    parts = memory.estimate(config, n, precision="fp32", sequences_per_pass=4, passes_per_step=1, max_length=256, checkpointing=False)
+    # transformers' own loss (not TRL's chunked one) materialises the full logits, their softmax and gradient
+    parts["loss"] = 4 * 256 * 16000 * 4 * 3
+    print(json.dumps({"measured": peak, "estimated": sum(parts.values())}))
+    """
+)
+
+
+def test_estimate_is_within_its_documented_error_of_the_measured_peak_on_cpu():
+    out = subprocess.run([sys.executable, "-c", MEASURE], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    error = result["estimated"] / result["measured"] - 1
+    assert abs(error) <= memory.TOLERANCE, result
+
+
+def test_plan_uses_one_pass_when_it_fits_and_splits_the_step_when_it_does_not():
+    settings = _settings()
+    config = __import__("trainer.model", fromlist=["read_config"]).read_config(settings)
+    n = 4_022_468_096
+    roomy = memory.plan(config, n, settings, "bf16-mixed", 200e9, "auto")
+    assert (roomy.sequences_per_pass, roomy.passes_per_step) == (8, 1)
+    tight = memory.plan(config, n, settings, "bf16-mixed", 80e9, "auto")
+    assert tight.passes_per_step > 1 and tight.checkpointing and tight.fits
+
+
+@pytest.mark.slow
+def test_preflight_exits_2_naming_the_settings_when_the_gpu_is_too_small(tmp_path):
+    env = job_env(tmp_path / "out", FT_PRESET="demo", FT_GPU_MEMORY_GB="0.005", FT_MAX_LENGTH="512")
+    result = run_job(env, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "does not fit" in result.stderr and "FT_MAX_LENGTH=" in result.stderr
+    assert "activations" in result.stderr  # the breakdown
+    assert not (tmp_path / "out" / "checkpoints").exists()  # nothing trained
+    assert "exit 2" in termination_message(env)
+
+
+def test_disk_check_names_the_settings_when_checkpoints_do_not_fit(tmp_path):
+    settings = _settings(FT_OUTPUT_DIR=str(tmp_path), FT_MAX_STEPS="1000", FT_SAVE_STEPS="25", FT_EVAL_STEPS="25")
+    problem = memory.check_disk(settings, n_params=10**12, precision="bf16-mixed")  # a 1T model: 12 TB per checkpoint
+    assert problem and "FT_SAVE_TOTAL_LIMIT" in problem and "FT_SAVE_STEPS" in problem
+    assert memory.check_disk(settings, n_params=1000, precision="bf16-mixed") is None

@@ -1,0 +1,50 @@
+"""The progress line: one parseable line per logging step, the same numbers in MLflow."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import job_env, run_job
+from trainer import progress
+
+
+def test_progress_line_round_trips():
+    line = progress.format_line({"step": "20/50", "loss": 2.34, "lr": 1.2e-05, "tokens_per_s": 15234.2, "mfu": 0.47, "mem_gb": 61.2, "eta_s": 812.0})
+    assert line == "fulltune: step=20/50 loss=2.3400 lr=1.2e-05 tokens_per_s=15234 mfu=0.4700 mem_gb=61.2 eta_s=812"
+    assert progress.parse_line(line) == {"step": "20/50", "loss": "2.3400", "lr": "1.2e-05", "tokens_per_s": "15234", "mfu": "0.4700", "mem_gb": "61.2", "eta_s": "812"}
+
+
+def test_mfu_counts_qwen3_4b_as_27_8_gflop_per_token_at_2048():
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    assert progress.flops_per_token(config, 4_022_468_096, 2048) == pytest.approx(27.76e9, rel=0.005)
+    assert progress.peak_flops("NVIDIA H200") == 989e12 and progress.peak_flops("Some CPU") is None
+
+
+@pytest.mark.slow
+def test_every_logging_step_prints_a_progress_line_and_logs_it_to_mlflow(tmp_path):
+    env = job_env(tmp_path / "out", FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_STEPS="10", FT_LOGGING_STEPS="5", FT_REGISTERED_MODEL="")
+    result = run_job(env, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [progress.parse_line(line) for line in result.stdout.splitlines() if line.startswith("fulltune: step=") and " loss=" in line]
+    assert [line["step"] for line in lines] == ["5/10", "10/10"]
+    for line in lines:
+        assert float(line["loss"]) > 0 and float(line["tokens_per_s"]) > 0 and float(line["mem_gb"]) > 0 and float(line["eta_s"]) >= 0
+        assert "mfu" not in line  # CPU: no peak to compare with
+
+    import mlflow
+
+    mlflow.set_tracking_uri(_tracking_uri(tmp_path / "out"))
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    history = mlflow.MlflowClient().get_metric_history(runs[0].info.run_id, "tokens_per_s")
+    assert [m.step for m in history] == [5, 10]
+
+
+
+def _tracking_uri(output_dir):
+    """The job's embedded MLflow store (trainer/tracking.configure)."""
+    from trainer import settings as settings_table
+    from trainer import tracking
+
+    return tracking.configure(settings_table.load({"FT_PRESET": "demo", "FT_OUTPUT_DIR": str(output_dir)}))
