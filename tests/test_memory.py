@@ -22,12 +22,16 @@ def _settings(**changes):
     return settings_table.load(env)
 
 
-def test_qwen3_4b_needs_16_bytes_per_parameter_before_activations():
+def _qwen3_4b():
     from transformers import Qwen3Config
 
-    config = Qwen3Config(**{k: v for k, v in json.loads(QWEN3_4B.read_text()).items() if k not in ("architectures", "torch_dtype")})
+    return Qwen3Config(**{k: v for k, v in json.loads(QWEN3_4B.read_text()).items() if k not in ("architectures", "torch_dtype")})
+
+
+def test_qwen3_4b_needs_16_bytes_per_parameter_before_activations():
     from trainer.model import parameter_count
 
+    config = _qwen3_4b()
     n = parameter_count(config)
     assert 4.0e9 < n < 4.05e9
     parts = memory.estimate(config, n, precision="bf16-mixed", sequences_per_pass=1, passes_per_step=8, max_length=2048, checkpointing=True)
@@ -68,9 +72,7 @@ def test_estimate_is_within_its_documented_error_of_the_measured_peak_on_cpu():
 
 
 def test_plan_uses_one_pass_when_it_fits_and_splits_the_step_when_it_does_not():
-    settings = _settings()
-    config = __import__("trainer.model", fromlist=["read_config"]).read_config(settings)
-    n = 4_022_468_096
+    settings, config, n = _settings(), _qwen3_4b(), 4_022_468_096
     roomy = memory.plan(config, n, settings, "bf16-mixed", 200e9, "auto")
     assert (roomy.sequences_per_pass, roomy.passes_per_step) == (8, 1)
     tight = memory.plan(config, n, settings, "bf16-mixed", 80e9, "auto")

@@ -10,8 +10,8 @@ from trainer import progress
 
 def test_progress_line_round_trips():
     line = progress.format_line({"step": "20/50", "loss": 2.34, "lr": 1.2e-05, "tokens_per_s": 15234.2, "mfu": 0.47, "mem_gb": 61.2, "eta_s": 812.0})
-    assert line == "fulltune: step=20/50 loss=2.3400 lr=1.2e-05 tokens_per_s=15234 mfu=0.4700 mem_gb=61.2 eta_s=812"
-    assert progress.parse_line(line) == {"step": "20/50", "loss": "2.3400", "lr": "1.2e-05", "tokens_per_s": "15234", "mfu": "0.4700", "mem_gb": "61.2", "eta_s": "812"}
+    assert line == "fulltune: step=20/50 loss=2.3400 lr=1.2e-05 tokens_per_s=15234 mfu=0.470 mem_gb=61.2 eta_s=812"
+    assert progress.parse_line(line) == {"step": "20/50", "loss": "2.3400", "lr": "1.2e-05", "tokens_per_s": "15234", "mfu": "0.470", "mem_gb": "61.2", "eta_s": "812"}
 
 
 def test_mfu_counts_qwen3_4b_as_27_8_gflop_per_token_at_2048():

@@ -37,13 +37,11 @@ def flops_per_token(config: Any, n_params: int, mean_sequence: float) -> float:
     return 6 * matmul_params + 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * mean_sequence
 
 
-def format_line(values: dict[str, Any]) -> str:
-    def show(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1e-3 and v else (f"{v:.4f}" if abs(v) < 10 else f"{v:.0f}")
-        return str(v)
+FORMATS = {"loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}"}
 
-    return "fulltune: " + " ".join(f"{k}={show(v)}" for k, v in values.items() if v is not None)
+
+def format_line(values: dict[str, Any]) -> str:
+    return "fulltune: " + " ".join(f"{k}={FORMATS.get(k, '{}').format(v)}" for k, v in values.items() if v is not None)
 
 
 def parse_line(line: str) -> dict[str, str]:
