@@ -69,8 +69,14 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     assert stop_step in committed_steps(out), "a committed checkpoint was lost"
 
     # 3. A node loss mid-run: the whole process group is SIGKILLed.
-    job = subprocess.Popen([sys.executable, str(ROOT / "entrypoint.py")], env=env | SLOW, cwd=ROOT, start_new_session=True,
-                           stdout=open(tmp_path / "3.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    job = subprocess.Popen(
+        [sys.executable, str(ROOT / "entrypoint.py")],
+        env=env | SLOW,
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=open(tmp_path / "3.log", "w"),
+        stderr=subprocess.STDOUT,
+    )  # noqa: SIM115
     wait_for(lambda: 30 in committed_steps(out), what="checkpoint 30")
     time.sleep(0.6)
     os.killpg(job.pid, signal.SIGKILL)
@@ -155,3 +161,14 @@ def test_a_stop_that_cannot_finish_in_time_exits_76(tmp_path, second_signal):
     assert time.monotonic() - started < 3.5
     why = "second SIGTERM" if second_signal else "stop deadline of 1 s passed"
     assert why in termination_message(env)
+
+
+def test_a_stop_while_the_training_process_starts_exits_76_without_touching_the_volume(tmp_path):
+    out = tmp_path / "volume"
+    env = job_env(out, **STEPS)
+    job = start_job(env, tmp_path / "job.log")
+    time.sleep(4)  # entrypoint has validated and started the child, which is still importing torch
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) in (75, 76), (tmp_path / "job.log").read_text()
+    assert committed_steps(out) == []
+    assert "exit 7" in termination_message(env)

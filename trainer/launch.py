@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Any
 
+from trainer.errors import StopAbandoned, write_termination_message
+
 
 def accelerate_command(use_cpu: bool) -> tuple[list[str], dict[str, str]]:
     """The command and environment `accelerate launch` would use for one process running `-m trainer`."""
@@ -26,18 +28,33 @@ def accelerate_command(use_cpu: bool) -> tuple[list[str], dict[str, str]]:
 
 def run_under_accelerate(config: Any) -> int:
     """Run the job in a child process, forward stop signals to it, and return its exit code."""
+    child: subprocess.Popen | None = None
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if child is not None:
+            child.send_signal(signum)  # the child saves a checkpoint and exits 75 (see trainer/preemption.py)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):  # before the slow imports: a stop is never lost
+        signal.signal(signum, forward)
+
     import torch
 
     cmd, env = accelerate_command(use_cpu=not torch.cuda.is_available())
-    child = subprocess.Popen(cmd, env=env)
-
-    def forward(signum: int, _frame: object) -> None:
-        child.send_signal(signum)  # the child saves a checkpoint and exits 75 (see trainer/preemption.py)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, forward)
-    returncode = child.wait()
-    if returncode < 0:  # killed by a signal we did not forward (e.g. SIGKILL from the OOM killer)
-        print(f"fulltune: training process killed by signal {-returncode}", file=sys.stderr, flush=True)
-        return 128 - returncode
+    if not received:
+        child = subprocess.Popen(cmd, env=env)
+        returncode = child.wait()
+    if received and (child is None or -returncode in received):
+        # The stop came before the training process had installed its handler: nothing new was
+        # saved, the committed checkpoints are intact, and a retry resumes from them.
+        return _report(StopAbandoned.exit_code, f"stopped by {signal.Signals(received[0]).name} while starting; a retry resumes from the last committed checkpoint")
+    if returncode < 0:  # killed by a signal we did not send (e.g. SIGKILL from the kernel's OOM killer)
+        return _report(128 - returncode, f"training process killed by {signal.Signals(-returncode).name} (out of host memory?)")
     return returncode
+
+
+def _report(code: int, why: str) -> int:
+    print(f"fulltune: exit {code}: {why}", file=sys.stderr, flush=True)
+    write_termination_message(f"exit {code}: {why}")
+    return code
