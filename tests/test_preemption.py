@@ -60,6 +60,7 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     assert stop_step > 10, log
     assert f"checkpoint at step {stop_step} committed" in log
     assert "exit 75" in termination_message(env)
+    assert [r.info.status for r in mlflow_runs(out)] == ["KILLED"]  # metrics flushed, run closed, resumable
 
     # 2. SIGKILL while the step-20 checkpoint is being written (after its files, before its manifest).
     result = run_job(env | {"FULLTUNE_TEST_KILL_DURING_SAVE_AT_STEP": "20"})

@@ -37,7 +37,7 @@ def run(settings: Any) -> None:
     _print_plan(settings, precision, len(train_rows), eval_rows)
     tracking.configure(settings)
     run_name = settings.run_name or f"{settings.model.rstrip('/')}_full-fine-tuning"
-    with tracking.start_run(settings, run_name)[0] as run:
+    with tracking.job_run(settings, run_name) as run:
         data.log_report(prepared.report)
         final_dir = os.path.join(settings.output_dir, "final")
         if not status.get("final_model"):

@@ -7,12 +7,14 @@ the transformers MLflowCallback would start a new run on every restart (transfor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from trainer import settings as settings_table
-from trainer.errors import RegistrationFailed
+from trainer.errors import Preempted, RegistrationFailed
 
 RUN_FILE = os.path.join(".fulltune", "mlflow_run.json")
 
@@ -50,8 +52,25 @@ def configure(settings: Any) -> str:
     return uri
 
 
-def start_run(settings: Any, run_name: str) -> tuple[Any, bool]:
-    """Continue the job's run if the volume names one, else start it; return (run, resumed)."""
+@contextlib.contextmanager
+def job_run(settings: Any, run_name: str) -> Iterator[Any]:
+    """The job's one MLflow run: FINISHED on success, KILLED when stopped (a restart continues it), else FAILED."""
+    import mlflow
+
+    run = start_run(settings, run_name)
+    try:
+        yield run
+    except Preempted:
+        mlflow.end_run("KILLED")  # flushes the queued metrics before the process exits 75
+        raise
+    except BaseException:
+        mlflow.end_run("FAILED")
+        raise
+    mlflow.end_run("FINISHED")
+
+
+def start_run(settings: Any, run_name: str) -> Any:
+    """Continue the job's run if the volume names one, else start it."""
     import mlflow
 
     path = os.path.join(settings.output_dir, RUN_FILE)
@@ -71,7 +90,7 @@ def start_run(settings: Any, run_name: str) -> tuple[Any, bool]:
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump({"run_id": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}, f)
         os.replace(path + ".tmp", path)
-    return run, run_id is not None
+    return run
 
 
 def register(settings: Any, model_dir: str, metadata: dict[str, str]) -> str:
