@@ -33,8 +33,14 @@ def tokenizer(template: str | None = None):
 
 
 def config(tmp_path: Path, dataset, **env: str):
-    values = {"FT_OUTPUT_DIR": str(tmp_path / "out"), "FT_MODEL": demo_model(), "FT_DATASET": str(dataset), "FT_EVAL_FRACTION": "0",
-              "FT_PLATFORM": "none", "FT_MAX_LENGTH": "256"}
+    values = {
+        "FT_OUTPUT_DIR": str(tmp_path / "out"),
+        "FT_MODEL": demo_model(),
+        "FT_DATASET": str(dataset),
+        "FT_EVAL_FRACTION": "0",
+        "FT_PLATFORM": "none",
+        "FT_MAX_LENGTH": "256",
+    }
     return settings.load(values | env)
 
 
@@ -81,7 +87,7 @@ def test_folder_of_parquet_shards_trains_and_names_the_shard_of_a_bad_row(tmp_pa
     rows = conversations(30)
     (tmp_path / "shards").mkdir()
     for i in range(3):
-        pq.write_table(pa.Table.from_pylist(rows[i * 10:(i + 1) * 10]), tmp_path / "shards" / f"part-{i:04d}.parquet")
+        pq.write_table(pa.Table.from_pylist(rows[i * 10 : (i + 1) * 10]), tmp_path / "shards" / f"part-{i:04d}.parquet")
     assert len(prepare(tmp_path, tmp_path / "shards").train) == 30
 
     rows[25]["messages"][1]["role"] = "bot"
@@ -168,8 +174,15 @@ def test_eval_fraction_holds_out_the_same_rows_every_time(tmp_path):
 
 
 def test_sharegpt_file_trains(tmp_path):
-    rows = [{"conversations": [{"from": "system", "value": "You reverse lists."}, {"from": "human", "value": "Reverse: apple river"},
-                               {"from": "gpt", "value": "river apple"}]}]
+    rows = [
+        {
+            "conversations": [
+                {"from": "system", "value": "You reverse lists."},
+                {"from": "human", "value": "Reverse: apple river"},
+                {"from": "gpt", "value": "river apple"},
+            ]
+        }
+    ]
     prepared = prepare(tmp_path, write_jsonl(tmp_path / "sharegpt.jsonl", rows), FT_LOSS_ON="assistant")
     whole, trained = decoded(prepared)
     assert prepared.report["format"] == "sharegpt"
@@ -178,8 +191,7 @@ def test_sharegpt_file_trains(tmp_path):
 
 
 def test_prompt_completion_strings_become_a_user_and_an_assistant_turn(tmp_path):
-    prepared = prepare(tmp_path, write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Reverse: apple river", "completion": "river apple"}]),
-                       FT_LOSS_ON="assistant")
+    prepared = prepare(tmp_path, write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Reverse: apple river", "completion": "river apple"}]), FT_LOSS_ON="assistant")
     whole, trained = decoded(prepared)
     assert whole == "<|im_start|>user\nReverse: apple river<|im_end|>\n<|im_start|>assistant\nriver apple<|im_end|>\n"
     assert trained == "river apple<|im_end|>"

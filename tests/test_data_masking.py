@@ -12,12 +12,17 @@ SYSTEM = {"role": "system", "content": "You reverse lists of words."}
 CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"word": "cloud"}}}]}
 QWEN3_ROWS = [
     {"messages": [SYSTEM, *CHAT]},
-    {"messages": [
-        SYSTEM,
-        {"role": "user", "content": "Reverse: apple river"}, {"role": "assistant", "content": "river apple"},
-        {"role": "user", "content": "Reverse: stone cloud"}, CALL, {"role": "tool", "name": "lookup", "content": "a word"},
-        {"role": "assistant", "content": "cloud stone"},
-    ]},
+    {
+        "messages": [
+            SYSTEM,
+            {"role": "user", "content": "Reverse: apple river"},
+            {"role": "assistant", "content": "river apple"},
+            {"role": "user", "content": "Reverse: stone cloud"},
+            CALL,
+            {"role": "tool", "name": "lookup", "content": "a word"},
+            {"role": "assistant", "content": "cloud stone"},
+        ]
+    },
 ]
 
 
@@ -61,8 +66,10 @@ def test_all_tokens_mode_trains_system_and_user_tokens_too(tmp_path):
 
 
 def test_template_with_generation_markers_is_masked_by_its_markers(tmp_path):
-    marked = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m['content'] }}<|im_end|>"
-              "{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
+    marked = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m['content'] }}<|im_end|>"
+        "{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    )
     prepared = prepare(tmp_path, write_jsonl(tmp_path / "train.jsonl", [{"messages": CHAT}]), template=marked, FT_LOSS_ON="assistant")
     assert "markers" in prepared.report["mask"]
     assert tokenizer().decode([t for t in prepared.train[0]["labels"] if t != -100]) == "stone river apple<|im_end|>"

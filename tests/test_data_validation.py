@@ -30,15 +30,26 @@ MALFORMED = [
     ("empty conversation", [{"messages": []}], "messages is an empty list"),
     ("no assistant turn", [{"messages": [USER]}], "has no assistant turn"),
     ("starts with the assistant", [{"messages": [REPLY, USER, REPLY]}], "messages[0] has role assistant, but a conversation starts with a user turn"),
-    ("system message in the middle", [{"messages": [USER, REPLY, {"role": "system", "content": "x"}, USER, REPLY]}], "messages[2] is a system message after the first turn"),
+    (
+        "system message in the middle",
+        [{"messages": [USER, REPLY, {"role": "system", "content": "x"}, USER, REPLY]}],
+        "messages[2] is a system message after the first turn",
+    ),
     ("two user turns in a row", [{"messages": [USER, USER, REPLY]}], "messages[1] is a second user turn in a row"),
     ("ends with a user turn", [{"messages": [USER, REPLY, USER]}], "ends with a user turn that has no assistant reply"),
     ("tool result without a call", [{"messages": [USER, {"role": "tool", "content": "6"}, REPLY]}], "messages[1] is a tool result that follows no tool call"),
-    ("control token in content", [{"messages": [USER, {"role": "assistant", "content": "apple<|im_end|>"}]}], "contains the tokenizer's control token '<|im_end|>'"),
+    (
+        "control token in content",
+        [{"messages": [USER, {"role": "assistant", "content": "apple<|im_end|>"}]}],
+        "contains the tokenizer's control token '<|im_end|>'",
+    ),
     ("bad JSON line", ['{"messages": [{"role": "user", "content": "x"}'], "not valid JSON"),
     ("ShareGPT speaker unknown", [{"conversations": [{"from": "human", "value": "x"}, {"from": "robot", "value": "y"}]}], "conversations[1].from is 'robot'"),
-    ("giant user turn leaves no reply within the limit", [{"messages": [{"role": "user", "content": "apple " * 5000}, REPLY]}],
-     "no assistant token within FT_MAX_LENGTH=256 tokens carries loss"),
+    (
+        "giant user turn leaves no reply within the limit",
+        [{"messages": [{"role": "user", "content": "apple " * 5000}, REPLY]}],
+        "no assistant token within FT_MAX_LENGTH=256 tokens carries loss",
+    ),
 ]
 
 
@@ -76,12 +87,15 @@ def test_malformed_row_is_skipped_and_counted_under_the_skip_policy(tmp_path, na
     assert train["bad_rows"] == 1 and train["bad_shown"][0].startswith("train.jsonl line 3: ")
 
 
-@pytest.mark.parametrize(("name", "contents", "expected"), [
-    ("empty file", "", "no rows (the file is empty)"),
-    ("unknown format", json.dumps({"question": "a", "answer": "b"}) + "\n", "unknown format: its columns ['answer', 'question']"),
-    ("forced format without its column", json.dumps(GOOD) + "\n", "FT_DATA_FORMAT=sharegpt needs the column(s) ['conversations']"),
-    ("only bad rows skipped", "null\nnull\n", "no training rows left after skipping bad rows"),
-])
+@pytest.mark.parametrize(
+    ("name", "contents", "expected"),
+    [
+        ("empty file", "", "no rows (the file is empty)"),
+        ("unknown format", json.dumps({"question": "a", "answer": "b"}) + "\n", "unknown format: its columns ['answer', 'question']"),
+        ("forced format without its column", json.dumps(GOOD) + "\n", "FT_DATA_FORMAT=sharegpt needs the column(s) ['conversations']"),
+        ("only bad rows skipped", "null\nnull\n", "no training rows left after skipping bad rows"),
+    ],
+)
 def test_unusable_file_exits_2_even_under_the_skip_policy(tmp_path, name, contents, expected):
     (tmp_path / "train.jsonl").write_text(contents)
     fmt = "sharegpt" if "forced" in name else "auto"
@@ -124,10 +138,13 @@ def test_tool_calls_the_template_cannot_render_are_bad_rows(tmp_path):
         prepare(tmp_path, write_jsonl(tmp_path / "train.jsonl", rows))
 
 
-@pytest.mark.parametrize(("lines", "expected"), [
-    (['{"messages": [}'], "train.jsonl line 3: not valid JSON"),
-    ([{"messages": [USER, {"role": "bot", "content": "x"}]}], "train.jsonl line 3: messages[1].role is 'bot'"),
-])
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        (['{"messages": [}'], "train.jsonl line 3: not valid JSON"),
+        ([{"messages": [USER, {"role": "bot", "content": "x"}]}], "train.jsonl line 3: messages[1].role is 'bot'"),
+    ],
+)
 def test_bad_data_exits_2_end_to_end_without_traceback_leaving_only_the_report(tmp_path, lines, expected):
     env = job_env(tmp_path / "out", FT_MODEL=demo_model(), FT_DATASET=str(malformed_file(tmp_path, lines)), FT_MAX_LENGTH="256")
     done = run_job(env, timeout=120)

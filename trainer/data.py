@@ -72,11 +72,19 @@ def prepare(settings: Any, tokenizer: Any) -> Prepared:
     train_set = _dataset(train)
     eval_set = _dataset(evaluation) if evaluation else None
     if len(train_set) == 0:
-        _fail(settings, report, "no training rows left" + (" after skipping bad rows" if train.bad_counts else "") + (" and dropping long rows" if train.dropped_too_long else ""))
+        _fail(
+            settings,
+            report,
+            "no training rows left" + (" after skipping bad rows" if train.bad_counts else "") + (" and dropping long rows" if train.dropped_too_long else ""),
+        )
     if eval_source is None and settings.eval_fraction > 0:
         held_out = math.ceil(len(train_set) * settings.eval_fraction)
         if len(train_set) - held_out < 1:
-            _fail(settings, report, f"only {len(train_set)} usable row(s): too few to hold out FT_EVAL_FRACTION={settings.eval_fraction}; set FT_EVAL_FRACTION=0 or FT_EVAL_DATASET")
+            _fail(
+                settings,
+                report,
+                f"only {len(train_set)} usable row(s): too few to hold out FT_EVAL_FRACTION={settings.eval_fraction}; set FT_EVAL_FRACTION=0 or FT_EVAL_DATASET",
+            )
         parts = train_set.train_test_split(test_size=held_out, seed=settings.seed)  # the reference recipe's split
         train_set, eval_set = parts["train"], parts["test"]
     if eval_set is not None and len(eval_set) == 0:
@@ -156,10 +164,19 @@ def _report(settings, train_source, fmt, masker, train: _Part, eval_source, eval
     trained = sum(sum(label != -100 for label in labels) for labels in train.labels)
     parts = {"train": (train_source, train), **({"eval": (eval_source, evaluation)} if evaluation else {})}
     return {
-        "sources": {name: {"source": source.name, "rows_read": part.rows_read, "bad_rows": sum(part.bad_counts.values()),
-                           "bad_by_reason": dict(part.bad_counts.most_common()), "bad_shown": [f"{loc}: {detail}" for loc, detail in part.bad],
-                           "truncated": part.truncated, "dropped_too_long": part.dropped_too_long, "longest_tokens": part.longest}
-                    for name, (source, part) in parts.items()},
+        "sources": {
+            name: {
+                "source": source.name,
+                "rows_read": part.rows_read,
+                "bad_rows": sum(part.bad_counts.values()),
+                "bad_by_reason": dict(part.bad_counts.most_common()),
+                "bad_shown": [f"{loc}: {detail}" for loc, detail in part.bad],
+                "truncated": part.truncated,
+                "dropped_too_long": part.dropped_too_long,
+                "longest_tokens": part.longest,
+            }
+            for name, (source, part) in parts.items()
+        },
         "format": fmt,
         "bad_rows_policy": settings.bad_rows,
         "loss_on": settings.loss_on,
@@ -168,7 +185,12 @@ def _report(settings, train_source, fmt, masker, train: _Part, eval_source, eval
         "truncation": settings.truncation,
         "train_tokens": tokens,
         "trained_token_fraction": round(trained / tokens, 4) if tokens else 0.0,
-        "token_lengths": {"min": lengths[0], "median": lengths[len(lengths) // 2], "p95": lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))], "max": lengths[-1]},
+        "token_lengths": {
+            "min": lengths[0],
+            "median": lengths[len(lengths) // 2],
+            "p95": lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))],
+            "max": lengths[-1],
+        },
         "fingerprint": key,
     }
 
@@ -176,17 +198,22 @@ def _report(settings, train_source, fmt, masker, train: _Part, eval_source, eval
 def report_text(report: dict) -> str:
     lines = [f"fulltune data report (fingerprint {report['fingerprint']})"]
     for name, part in report["sources"].items():
-        lines.append(f"{name}: {part['source']}, format {report['format']}: {part['rows_read']} rows read, {part['bad_rows']} bad"
-                     f" (FT_BAD_ROWS={report['bad_rows_policy']}), {part['truncated']} truncated, {part['dropped_too_long']} dropped as too long"
-                     f" (FT_TRUNCATION={report['truncation']}, FT_MAX_LENGTH={report['max_length']}" + (f", longest {part['longest_tokens']} tokens)" if part["longest_tokens"] else ")"))
+        lines.append(
+            f"{name}: {part['source']}, format {report['format']}: {part['rows_read']} rows read, {part['bad_rows']} bad"
+            f" (FT_BAD_ROWS={report['bad_rows_policy']}), {part['truncated']} truncated, {part['dropped_too_long']} dropped as too long"
+            f" (FT_TRUNCATION={report['truncation']}, FT_MAX_LENGTH={report['max_length']}"
+            + (f", longest {part['longest_tokens']} tokens)" if part["longest_tokens"] else ")")
+        )
         lines += [f"  {count} x {reason}" for reason, count in part["bad_by_reason"].items()]
         lines += [f"  {shown}" for shown in part["bad_shown"]]
         if part["bad_rows"] > len(part["bad_shown"]):
             lines.append(f"  ... {part['bad_rows'] - len(part['bad_shown'])} more")
     if "rows" in report:
         t = report["token_lengths"]
-        lines.append(f"kept {report['rows']['train']} train / {report['rows']['eval']} validation rows; tokens per train row min {t['min']},"
-                     f" median {t['median']}, p95 {t['p95']}, max {t['max']}; {report['train_tokens']} tokens")
+        lines.append(
+            f"kept {report['rows']['train']} train / {report['rows']['eval']} validation rows; tokens per train row min {t['min']},"
+            f" median {t['median']}, p95 {t['p95']}, max {t['max']}; {report['train_tokens']} tokens"
+        )
         lines.append(f"loss on {report['mask']}: {report['trained_token_fraction']:.1%} of the train tokens")
         lines.append("example (trained spans in ⟦ ⟧):\n" + report["example"][:4000])
     return "\n".join(lines) + "\n"
@@ -214,9 +241,15 @@ def log_report(report: dict) -> None:
 
     train = report["sources"]["train"]
     mlflow.set_tags({"data_format": report["format"], "data_mask": report["mask"], "data_fingerprint": report["fingerprint"]})
-    metrics = {"data_train_rows": report["rows"]["train"], "data_eval_rows": report["rows"]["eval"], "data_train_tokens": report["train_tokens"],
-               "data_trained_token_fraction": report["trained_token_fraction"], "data_bad_rows": train["bad_rows"],
-               "data_truncated_rows": train["truncated"], "data_dropped_too_long_rows": train["dropped_too_long"]}
+    metrics = {
+        "data_train_rows": report["rows"]["train"],
+        "data_eval_rows": report["rows"]["eval"],
+        "data_train_tokens": report["train_tokens"],
+        "data_trained_token_fraction": report["trained_token_fraction"],
+        "data_bad_rows": train["bad_rows"],
+        "data_truncated_rows": train["truncated"],
+        "data_dropped_too_long_rows": train["dropped_too_long"],
+    }
     metrics |= {f"data_tokens_{k}": v for k, v in report["token_lengths"].items()}
     metrics |= {f"data_skipped_{reason.replace(' ', '_')}": n for reason, n in train["bad_by_reason"].items()}
     mlflow.log_metrics(metrics)
@@ -230,9 +263,15 @@ def _fingerprint(settings: Any, tokenizer: Any, train: sources.Source, evaluatio
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocabulary = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template, sort_keys=True)
-    key = {"version": CACHE_VERSION, "train": train.fingerprint, "eval": evaluation.fingerprint if evaluation else None,
-           "tokenizer": hashlib.sha256(vocabulary.encode()).hexdigest(), "template": template, "eos": tokenizer.eos_token,
-           "settings": {name: getattr(settings, name) for name in ("data_format", "bad_rows", "loss_on", "max_length", "truncation", "eval_fraction", "seed")}}
+    key = {
+        "version": CACHE_VERSION,
+        "train": train.fingerprint,
+        "eval": evaluation.fingerprint if evaluation else None,
+        "tokenizer": hashlib.sha256(vocabulary.encode()).hexdigest(),
+        "template": template,
+        "eos": tokenizer.eos_token,
+        "settings": {name: getattr(settings, name) for name in ("data_format", "bad_rows", "loss_on", "max_length", "truncation", "eval_fraction", "seed")},
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

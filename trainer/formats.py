@@ -20,8 +20,16 @@ COLUMNS = {  # format -> the columns that identify it, in detection order
     "text": ("text",),
 }
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "tool": "tool", "observation": "tool", "function_response": "tool"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
 PASSED_THROUGH = ("tool_calls", "name", "tool_call_id", "reasoning_content")  # message keys kept besides role/content
 
 
@@ -38,14 +46,17 @@ def detect(columns: list[str], setting: str, source: str) -> str:
     if setting != "auto":
         missing = [c for c in COLUMNS[setting] if c not in columns]
         if missing and columns:
-            raise DataError(f"FT_DATA_FORMAT={setting} needs the column(s) {missing}, but {source} has columns {columns}; "
-                            "rename them or set FT_DATA_FORMAT=auto")
+            raise DataError(
+                f"FT_DATA_FORMAT={setting} needs the column(s) {missing}, but {source} has columns {columns}; rename them or set FT_DATA_FORMAT=auto"
+            )
         return setting
     for name, needed in COLUMNS.items():
         if all(c in columns for c in needed):
             return name
-    raise DataError(f"{source}: unknown format: its columns {columns} match none of 'messages' (role/content), 'conversations' "
-                    "(ShareGPT from/value), 'prompt' + 'completion', or 'text'; rename the columns or set FT_DATA_FORMAT")
+    raise DataError(
+        f"{source}: unknown format: its columns {columns} match none of 'messages' (role/content), 'conversations' "
+        "(ShareGPT from/value), 'prompt' + 'completion', or 'text'; rename the columns or set FT_DATA_FORMAT"
+    )
 
 
 def convert(row: Any, fmt: str, control_tokens: tuple[str, ...] = ()) -> dict:
@@ -59,8 +70,9 @@ def convert(row: Any, fmt: str, control_tokens: tuple[str, ...] = ()) -> dict:
     if fmt == "text":
         text = row.get("text")
         if not isinstance(text, str) or not text.strip():
-            raise Problem("empty text" if isinstance(text, str) or text is None else "content not a string",
-                          f"text is {_kind(text)}; expected a non-empty string")
+            raise Problem(
+                "empty text" if isinstance(text, str) or text is None else "content not a string", f"text is {_kind(text)}; expected a non-empty string"
+            )
         _no_control_tokens(text, "text", control_tokens)
         return {"text": text}
     if fmt == "prompt_completion":

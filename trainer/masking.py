@@ -46,8 +46,10 @@ class Masker:
         self._tools: bool | None = None
         if fmt == "text":
             if loss_on == "assistant":
-                raise ConfigError("FT_LOSS_ON=assistant needs conversations, but the data is plain text (FT_DATA_FORMAT=text): "
-                                  "set FT_LOSS_ON=all or provide messages, conversations or prompt/completion rows")
+                raise ConfigError(
+                    "FT_LOSS_ON=assistant needs conversations, but the data is plain text (FT_DATA_FORMAT=text): "
+                    "set FT_LOSS_ON=all or provide messages, conversations or prompt/completion rows"
+                )
             self.kind, self.method = "all", "all tokens of the text, EOS appended"
         elif loss_on == "all":
             self.kind, self.method = "all", "all tokens (chat template rendered)"
@@ -117,8 +119,9 @@ class Masker:
         from jinja2 import TemplateError
 
         try:
-            out = self.tokenizer.apply_chat_template(row["messages"], tools=row.get("tools"), chat_template=self.template,
-                                                     return_dict=True, return_assistant_tokens_mask=True)
+            out = self.tokenizer.apply_chat_template(
+                row["messages"], tools=row.get("tools"), chat_template=self.template, return_dict=True, return_assistant_tokens_mask=True
+            )
         except (TemplateError, TypeError, ValueError) as error:
             return Problem("template error", f"the chat template cannot render it ({type(error).__name__}: {error})")
         return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
@@ -139,7 +142,7 @@ def _assistant_spans(text: str) -> list[tuple[int, int]]:
         end = text.find(IM_END, header_end)
         if header_end == -1 or end == -1:
             break
-        if text[start + len(IM_START):header_end] == "assistant":
+        if text[start + len(IM_START) : header_end] == "assistant":
             spans.append((header_end + 1, end + len(IM_END)))
         start = text.find(IM_START, end)
     return spans

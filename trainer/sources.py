@@ -61,8 +61,10 @@ def _filesystem(spec: str, variable: str) -> tuple[Any, str]:
         return fsspec.core.url_to_fs(spec)
     except ImportError as error:
         package = FILESYSTEM_PACKAGES.get(protocol, f"the fsspec filesystem for {protocol}://")
-        raise DataError(f"{variable}={spec!r}: reading {protocol}:// needs the {package} package, which this image lacks; "
-                        f"install it (pip install {package}) or copy the data to the volume") from error
+        raise DataError(
+            f"{variable}={spec!r}: reading {protocol}:// needs the {package} package, which this image lacks; "
+            f"install it (pip install {package}) or copy the data to the volume"
+        ) from error
     except ValueError as error:
         raise DataError(f"{variable}={spec!r}: unsupported URL ({error})") from error
 
@@ -78,11 +80,18 @@ def _files(spec: str, fs: Any, path: str, variable: str) -> Source:
     kinds = {READERS.get(os.path.splitext(p)[1].lower()) for p in found}
     if not found or None in kinds or len(kinds) != 1:
         others = sorted({os.path.splitext(p)[1] or os.path.basename(p) for p in found if READERS.get(os.path.splitext(p)[1].lower()) is None})
-        raise DataError(f"{variable}={spec!r}: expected .jsonl, .json, .parquet or .csv files of one kind; found {len(found)} file(s)"
-                        + (f" including {', '.join(others)}" if others else "") + (f" of kinds {sorted(k for k in kinds if k)}" if len(kinds) > 1 else ""))
+        raise DataError(
+            f"{variable}={spec!r}: expected .jsonl, .json, .parquet or .csv files of one kind; found {len(found)} file(s)"
+            + (f" including {', '.join(others)}" if others else "")
+            + (f" of kinds {sorted(k for k in kinds if k)}" if len(kinds) > 1 else "")
+        )
     kind = kinds.pop()
     infos = [fs.info(p) for p in found]
-    fingerprint = {"files": [[p, i.get("size"), str(i.get("ETag") or i.get("etag") or i.get("mtime") or i.get("LastModified") or "")] for p, i in zip(found, infos, strict=True)]}
+    fingerprint = {
+        "files": [
+            [p, i.get("size"), str(i.get("ETag") or i.get("etag") or i.get("mtime") or i.get("LastModified") or "")] for p, i in zip(found, infos, strict=True)
+        ]
+    }
     read = {"json": _json_rows, "parquet": _parquet_rows, "csv": _csv_rows}[kind]
 
     def rows() -> Iterator[tuple[str, Any]]:
@@ -101,17 +110,22 @@ def _files(spec: str, fs: Any, path: str, variable: str) -> Source:
 def _json_rows(fs: Any, path: str, name: str) -> Iterator[tuple[str, Any]]:
     """JSON lines (one row per line), or a JSON array of rows; a bad line becomes a row that says why."""
     with fs.open(path, "rt", encoding="utf-8") as f:
-        text = f.read()
-    if text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as error:
-            yield f"{name} line {error.lineno}", BadJson(error.msg, error.colno)
+        if f.read(4096).lstrip().startswith("["):
+            f.seek(0)
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as error:
+                yield f"{name} line {error.lineno}", BadJson(error.msg, error.colno)
+                return
+            for i, row in enumerate(rows):
+                yield f"{name} row {i}", row
             return
-        for i, row in enumerate(rows):
-            yield f"{name} row {i}", row
-        return
-    for number, line in enumerate(text.splitlines(), start=1):
+        f.seek(0)
+        yield from _json_lines(f, name)
+
+
+def _json_lines(f: Any, name: str) -> Iterator[tuple[str, Any]]:
+    for number, line in enumerate(f, start=1):
         if not line.strip():
             continue
         try:
@@ -187,7 +201,9 @@ def _pick_split(splits: Any, split: str | None, variable: str, spec: str) -> Any
     wanted = [split] if split else [s for s in EVAL_SPLITS if s in splits] or (list(splits) if len(splits) == 1 else [])
     if not wanted or wanted[0] not in splits:
         setting = "FT_DATASET_SPLIT" if split else variable
-        raise DataError(f"{setting}: {spec!r} has splits {sorted(splits)}; " + (f"{split!r} is not one of them" if split else "expected one named validation or test"))
+        raise DataError(
+            f"{setting}: {spec!r} has splits {sorted(splits)}; " + (f"{split!r} is not one of them" if split else "expected one named validation or test")
+        )
     return splits[wanted[0]]
 
 
