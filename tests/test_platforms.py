@@ -35,6 +35,7 @@ def test_sagemaker_checkpoint_folder_becomes_output_dir_and_channels_become_data
     assert name == "sagemaker"
     assert implied == {
         "FT_OUTPUT_DIR": str(sagemaker_root / "checkpoints"),  # restored on restart, unlike SM_MODEL_DIR
+        "FT_STOP_DEADLINE_SECONDS": "100",  # SageMaker kills 120 s after SIGTERM
         "FT_TERMINATION_MESSAGE_PATH": str(sagemaker_root / "output" / "failure"),
         "FT_DATASET": "/opt/ml/input/data/train",
         "FT_EVAL_DATASET": "/opt/ml/input/data/validation",

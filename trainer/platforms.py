@@ -59,6 +59,8 @@ def _sagemaker(environ: Mapping[str, str], implied: Implied) -> None:
     else:
         model = os.path.join(SAGEMAKER_ROOT, "model")
         implied.offer(environ, "FT_OUTPUT_DIR", model, model)
+    # SageMaker sends SIGKILL 120 s after SIGTERM (StopTrainingJob, Spot interruptions), whatever the image.
+    implied.offer(environ, "FT_STOP_DEADLINE_SECONDS", "100", "SageMaker's 120 s stop limit")
     # SageMaker shows the first line of this file as the job's FailureReason.
     failure = os.path.join(SAGEMAKER_ROOT, "output", "failure")
     implied.offer(environ, "FT_TERMINATION_MESSAGE_PATH", failure, failure)
