@@ -40,7 +40,8 @@ def test_per_sequence_attention_matches_sdpa_on_padding_free_and_padded_batches(
 
 def test_levers_are_device_aware():
     settings = settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused"})
-    assert not recipe.padding_free(settings, cuda=False) and recipe.padding_free(settings, cuda=True)
+    assert recipe.padding_free(settings, cuda=False) and recipe.padding_free(settings, cuda=True)
+    assert not recipe.padding_free(settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused", "FT_PADDING_FREE": "off"}), cuda=True)
     assert recipe.optimizer(settings, cuda=False) == "adamw_torch" and recipe.optimizer(settings, cuda=True) == "adamw_torch_fused"
 
 
