@@ -12,10 +12,13 @@ return its exact exit code (see trainer/launch.py and the README's exit codes).
 import os
 import sys
 
-from trainer import errors, settings
+from trainer import errors, platforms, settings
 
 
 def main() -> int:
+    platform, implied = platforms.detect(os.environ)
+    os.environ.update(implied)  # the training process and the exit path see what the platform implied
+    print(platforms.describe(platform, implied), flush=True)
     try:
         config = settings.load(os.environ)
     except errors.FulltuneError as error:

@@ -101,3 +101,11 @@ def test_every_error_class_has_a_documented_exit_code():
 def test_every_setting_has_help_a_type_and_a_group():
     for s in settings.TABLE:
         assert s.help and s.group and re.fullmatch(r"[A-Z0-9_]+", s.name), s
+
+
+def test_the_first_line_names_the_detected_platform_and_what_it_filled_in(tmp_path):
+    env = job_env(tmp_path / "volume", FT_MAX_STEPS="0", AIP_MODEL_DIR="gs://bucket/model")
+    del env["FT_OUTPUT_DIR"]
+    result = run_job(env, timeout=60)
+    assert result.returncode == 2
+    assert result.stdout.splitlines()[0] == "fulltune: platform vertex detected by AIP_MODEL_DIR: FT_OUTPUT_DIR=/gcs/bucket/model from AIP_MODEL_DIR"
