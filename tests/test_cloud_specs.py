@@ -125,12 +125,9 @@ def test_azureml_schema_check_rejects_an_unknown_field(tmp_path):
 
 
 def _deploy_guide():
-    """The README's "Run it" section (between its deploy markers), or docs/deploy.md before it is merged."""
-    for path in (REPO / "README.md", REPO / "docs" / "deploy.md"):
-        if path.exists() and "<!-- deploy:start -->" in path.read_text():
-            text = path.read_text()
-            return text[text.index("<!-- deploy:start -->") : text.index("<!-- deploy:end -->")]
-    raise AssertionError("no <!-- deploy:start --> section in README.md or docs/deploy.md")
+    """The README's "Run it" section, between its deploy markers."""
+    text = (REPO / "README.md").read_text()
+    return text[text.index("<!-- deploy:start -->") : text.index("<!-- deploy:end -->")]
 
 
 def test_deploy_guide_has_a_copy_paste_block_per_target_naming_files_that_exist():
