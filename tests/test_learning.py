@@ -1,0 +1,69 @@
+"""The whole data path is right when the demo model learns a task it can only solve by reading the user turn.
+
+The demo task (trainer/demo.py) asks to reverse a list of words: a model that is trained on the wrong
+tokens, fed truncated or mis-rendered conversations, or saved without its tokenizer cannot answer
+held-out prompts.  The model is trained through entrypoint.py and read back from FT_OUTPUT_DIR/final/model.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import job_env, run_job
+from trainer import demo
+
+HELD_OUT = 40
+STEPS = "450"  # the loss plateaus for ~250 steps, then drops to ~0.01 by step 400 (batch 64, lr 1e-2)
+
+
+def held_out_prompts(training_rows: set[str]) -> list[list[str]]:
+    """Word lists the model has not seen: another seed than the demo data, and none of its training prompts."""
+    rng, prompts = random.Random(20_251), []
+    while len(prompts) < HELD_OUT:
+        words = rng.sample(demo.WORDS, rng.randint(3, 6))
+        if "Reverse: " + " ".join(words) not in training_rows:
+            prompts.append(words)
+    return prompts
+
+
+@pytest.mark.slow
+def test_demo_model_learns_to_reverse_held_out_word_lists(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "out"
+    env = job_env(
+        out,
+        FT_PRESET="demo",
+        FT_LOSS_ON="assistant",
+        FT_MAX_STEPS=STEPS,
+        FT_BATCH_SIZE="64",
+        FT_GRADIENT_ACCUMULATION_STEPS="1",
+        FT_LEARNING_RATE="1e-2",
+        FT_WARMUP_STEPS="20",
+        FT_EVAL_FRACTION="0.05",
+        FT_EVAL_STEPS=STEPS,
+        FT_SAVE_STEPS=STEPS,
+        FT_LOGGING_STEPS="50",
+        FT_SYSTEM_METRICS="false",
+        FT_REGISTERED_MODEL="",
+        OMP_NUM_THREADS="1",  # a model this small gains nothing from a second thread, and loses much on a busy machine
+    )
+    done = run_job(env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "assistant tokens (ChatML turns" in done.stdout
+
+    seen = {row["messages"][-2]["content"] for row in demo.conversations(2000, seed=1234)}
+    tokenizer = AutoTokenizer.from_pretrained(out / "final" / "model")
+    net = AutoModelForCausalLM.from_pretrained(out / "final" / "model").eval()
+    correct = 0
+    for words in held_out_prompts(seen):
+        messages = [{"role": "user", "content": "Reverse: " + " ".join(words)}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            generated = net.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        answer = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True).strip()
+        correct += answer == " ".join(reversed(words))
+    assert correct / HELD_OUT >= 0.9, f"exact match {correct}/{HELD_OUT}"
