@@ -31,12 +31,6 @@ def resolve_precision(settings: Any, cuda: bool, bf16_supported: bool) -> str:
     return settings.precision
 
 
-def resolve_activation_checkpointing(settings: Any, cuda: bool) -> bool:
-    if settings.activation_checkpointing == "auto":
-        return cuda  # On CPU the tiny models fit easily and recomputation only costs time.
-    return settings.activation_checkpointing == "on"
-
-
 def hub_kwargs(settings: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"trust_remote_code": settings.trust_remote_code}
     if settings.model_revision:

@@ -80,7 +80,7 @@ TABLE: tuple[Setting, ...] = (
     S("WARMUP_STEPS", int, 10, "Linear warm-up steps.", "Optimisation", minimum=0),
     S("WEIGHT_DECAY", float, 0.01, "AdamW weight decay.", "Optimisation", minimum=0.0),
     S("MAX_GRAD_NORM", float, 1.0, "Gradient clipping norm; 0 = no clipping.", "Optimisation", minimum=0.0),
-    S("BATCH_SIZE", int, 1, "Sequences per forward pass.", "Optimisation", minimum=1),
+    S("BATCH_SIZE", int, 1, "Sequences per forward pass as the recipe states it; with `FT_BATCH_LAYOUT=auto` only the product with `FT_GRADIENT_ACCUMULATION_STEPS` (sequences per optimizer step) is kept, and the passes are regrouped to fill the device.", "Optimisation", minimum=1),
     S("GRADIENT_ACCUMULATION_STEPS", int, 8, "Forward passes per optimizer step; effective batch = batch size × this.", "Optimisation", minimum=1),
     S("SEED", int, 42, "Seed for the split, the data order and initialisation.", "Optimisation", minimum=0),
     # -- Evaluation and checkpoints ------------------------------------------------------------
@@ -92,7 +92,7 @@ TABLE: tuple[Setting, ...] = (
     S("OUTPUT_DIR", str, "/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.", "Evaluation and checkpoints"),
     # -- Hardware ------------------------------------------------------------------------------
     S("PRECISION", ("auto", "fp32", "bf16-mixed"), "auto", "`bf16-mixed`: fp32 master weights and optimizer, bf16 compute (no update is lost). `auto`: bf16-mixed on a bf16-capable GPU, fp32 on CPU (bf16 on CPU is 7-25x slower).", "Hardware"),
-    S("ACTIVATION_CHECKPOINTING", ("auto", "on", "off"), "auto", "Recompute activations in the backward pass (non-reentrant). `auto`: on for GPU, off on CPU.", "Hardware"),
+    S("ACTIVATION_CHECKPOINTING", ("auto", "on", "off"), "auto", "Recompute activations in the backward pass (non-reentrant). `auto`: only when the memory plan (trainer/memory.py) does not fit without it; never on CPU.", "Hardware"),
     # -- Throughput ----------------------------------------------------------------------------
     S("BATCH_LAYOUT", ("auto", "as-set"), "auto", "`auto`: each optimizer step still trains on `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` sequences in the same order (same loss, same updates), but in as few forward passes as the memory plan fits (one on CPU). `as-set`: exactly `FT_BATCH_SIZE` sequences per pass, as TRL does.", "Throughput"),
     S("PADDING_FREE", ("auto", "on", "off"), "auto", "Concatenate the sequences of a forward pass into one row without padding (TRL `padding_free`; each sequence still attends only to itself, through `position_ids`). `auto`: on (measured 2.3x the padded tokens/s on CPU, bench/RESULTS.md); attention runs per sequence (trainer/attention.py) unless the model uses FlashAttention.", "Throughput"),
