@@ -6,7 +6,7 @@
 # max length 2048.  The fulltune variants plan for an 80 GB H100 (FT_GPU_MEMORY_GB=80) even on an
 # H200, and warn instead of stopping if the estimate says it does not fit, so the peak is measured.
 # Missing Python packages (trl, datasets, mlflow-skinny, environs, ...) may lie as wheels in .whl/
-# (see docs/performance.md, "Running the GPU benchmark").  Results: bench/RESULTS.md, and $OUT if set.
+# (see the README, "Running the GPU benchmark").  Results: bench/RESULTS.md, and $OUT if set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" > /dev/null; then
