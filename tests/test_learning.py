@@ -15,7 +15,7 @@ from conftest import job_env, run_job
 from trainer import demo
 
 HELD_OUT = 40
-STEPS = "450"  # the loss plateaus for ~250 steps, then drops to ~0.01 by step 400 (batch 64, lr 1e-2)
+STEPS = "600"  # the loss plateaus for 150-300 steps (seed-dependent), then drops to ~0.01 within ~250 more (batch 64, constant lr 1e-2)
 
 
 def held_out_prompts(training_rows: set[str]) -> list[list[str]]:
@@ -43,6 +43,7 @@ def test_demo_model_learns_to_reverse_held_out_word_lists(tmp_path):
         FT_GRADIENT_ACCUMULATION_STEPS="1",
         FT_LEARNING_RATE="1e-2",
         FT_WARMUP_STEPS="20",
+        FT_LR_SCHEDULER="constant_with_warmup",
         FT_EVAL_FRACTION="0.05",
         FT_EVAL_STEPS=STEPS,
         FT_SAVE_STEPS=STEPS,
@@ -66,4 +67,5 @@ def test_demo_model_learns_to_reverse_held_out_word_lists(tmp_path):
             generated = net.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         answer = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True).strip()
         correct += answer == " ".join(reversed(words))
+    print(f"exact match {correct}/{HELD_OUT}")
     assert correct / HELD_OUT >= 0.9, f"exact match {correct}/{HELD_OUT}"
