@@ -121,6 +121,18 @@ def test_save_to_disk_folder_uses_the_named_split(tmp_path):
         prepare(tmp_path, tmp_path / "saved", FT_DATASET_SPLIT="dev")
 
 
+def test_a_dataset_with_a_test_split_is_evaluated_on_it_as_the_reference_recipe_does(tmp_path):
+    import datasets
+
+    saved = datasets.DatasetDict({"train": datasets.Dataset.from_list(conversations(20)), "test": datasets.Dataset.from_list(conversations(3, seed=9))})
+    saved.save_to_disk(str(tmp_path / "saved"))
+    prepared = prepare(tmp_path, tmp_path / "saved", FT_EVAL_FRACTION="0.1")
+    assert (len(prepared.train), len(prepared.eval)) == (20, 3)  # no rows held out of train
+    saved["train"].save_to_disk(str(tmp_path / "train-only"))
+    prepared = prepare(tmp_path, tmp_path / "train-only", FT_EVAL_FRACTION="0.1")
+    assert (len(prepared.train), len(prepared.eval)) == (18, 2)  # 90/10 when there is no test split
+
+
 def test_object_store_url_is_read_through_fsspec(tmp_path):
     import fsspec
 

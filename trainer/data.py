@@ -55,7 +55,12 @@ class _Part:
 def prepare(settings: Any, tokenizer: Any) -> Prepared:
     """Train and validation datasets ready for SFTTrainer, and the data report; DataError (exit 2) when unusable."""
     train_source = sources.open_source(settings.dataset, settings, "FT_DATASET")
-    eval_source = sources.open_source(settings.eval_dataset, settings, "FT_EVAL_DATASET") if settings.eval_dataset else None
+    if settings.eval_dataset:
+        eval_source = sources.open_source(settings.eval_dataset, settings, "FT_EVAL_DATASET")
+    elif split := sources.own_test_split(settings.dataset, settings):
+        eval_source = sources.open_source(settings.dataset, settings, "FT_DATASET", split=split)
+    else:
+        eval_source = None
     key = _fingerprint(settings, tokenizer, train_source, eval_source)
     cache = os.path.join(settings.output_dir, CACHE_DIR, key)
     if settings.data_cache and os.path.exists(os.path.join(cache, "report.json")):

@@ -40,9 +40,34 @@ class Source:
         return f"{self.variable}={self.spec!r}"
 
 
-def open_source(spec: str, settings: Any, variable: str) -> Source:
+def own_test_split(spec: str, settings: Any) -> str | None:
+    """`test` when FT_DATASET (a hub dataset or a saved DatasetDict) has a test split besides the one trained on.
+
+    The reference recipe evaluates on it (Capybara: 200 rows) and holds out FT_EVAL_FRACTION only
+    when there is none.
+    """
+    if settings.dataset_split == "test":
+        return None
+    if "://" in spec or os.path.exists(spec) or glob.has_magic(spec):
+        fs, path = _filesystem(spec, "FT_DATASET")
+        if fs.isdir(path) and fs.exists(f"{path}/dataset_dict.json"):
+            return "test" if "test" in json.loads(fs.cat(f"{path}/dataset_dict.json"))["splits"] else None
+        return None
+    if spec.startswith(("/", "./", "../")) or os.path.splitext(spec)[1].lower() in READERS:
+        return None
+    import datasets
+
+    try:
+        names = datasets.get_dataset_split_names(spec, settings.dataset_config or None, revision=settings.dataset_revision or None)
+    except Exception:  # noqa: BLE001 - open_source() reports why the dataset cannot be read
+        return None
+    return "test" if "test" in names else None
+
+
+def open_source(spec: str, settings: Any, variable: str, split: str | None = None) -> Source:
     """Resolve FT_DATASET / FT_EVAL_DATASET into a Source (no rows are read yet)."""
-    split = settings.dataset_split if variable == "FT_DATASET" else None
+    if split is None and variable == "FT_DATASET":
+        split = settings.dataset_split
     if "://" in spec or os.path.exists(spec) or glob.has_magic(spec):
         fs, path = _filesystem(spec, variable)
         if fs.isdir(path) and any(fs.exists(f"{path}/{marker}") for marker in ("dataset_dict.json", "state.json")):
