@@ -109,7 +109,7 @@ TABLE: tuple[Setting, ...] = (
     S("SYSTEM_METRICS", bool, True, "Log CPU/GPU/memory system metrics to the MLflow run.", "Tracking and registry"),
     # -- Operations ----------------------------------------------------------------------------
     S("PLATFORM", ("auto", "none", "sagemaker", "vertex", "aws-batch", "azureml"), "auto", "Batch platform whose variables fill in unset `FT_*` settings; `auto` detects it, `none` ignores them.", "Operations"),
-    S("STOP_DEADLINE_SECONDS", int, 270, "After SIGTERM/SIGINT the job finishes the current optimizer step and commits a checkpoint; past this many seconds it gives up (exit 76). Keep it below the platform's grace period (the Kubernetes Job: 300 s; on SageMaker, which allows 120 s, it defaults to 110).", "Operations", minimum=1),
+    S("STOP_DEADLINE_SECONDS", int, 270, "After SIGTERM/SIGINT the job finishes the current optimizer step and commits a checkpoint; past this many seconds it gives up (exit 76). Keep it below the platform's grace period (the Kubernetes Job: 300 s; on SageMaker, which allows 120 s, it defaults to 100).", "Operations", minimum=1),
     S("ALLOW_CONFIG_CHANGE", bool, False, "Resume checkpoints on the volume even though model, data or hyperparameters changed since they were written.", "Operations"),
     S("TERMINATION_MESSAGE_PATH", str, "/dev/termination-log", "File that receives a one-line reason on every non-zero exit (read by Kubernetes); empty = none.", "Operations"),
 )
