@@ -168,3 +168,25 @@ def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(
     assert retry.returncode == 0, retry.stdout + retry.stderr
     assert "starting from step" not in retry.stdout and "resuming" not in retry.stdout
     assert f"registered {DEMO_NAME}/1" in retry.stdout
+
+
+@pytest.mark.parametrize("layout", ["parquet-shards", "save_to_disk"])
+def test_local_datasets_train_end_to_end(layout, demo_assets, tmp_path):
+    import datasets
+
+    rows = datasets.load_dataset("json", data_files=str(demo_assets / "data" / "train.jsonl"), split="train").select(range(120))
+    if layout == "parquet-shards":
+        source = tmp_path / "shards"
+        source.mkdir()
+        for index in range(3):
+            rows.shard(3, index).to_parquet(str(source / f"part-{index}.parquet"))
+    else:
+        source = tmp_path / "saved"
+        rows.save_to_disk(str(source))
+    out = tmp_path / "volume"
+    env = job_env(out, FT_MODEL=str(demo_assets / "model"), FT_DATASET=str(source), FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2",
+                  FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1", FT_MAX_LENGTH="128", FT_REGISTERED_MODEL="")
+    result = run_job(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "108 train / 12 validation rows" in result.stdout
+    assert (out / "final" / "model" / "model.safetensors").exists()
