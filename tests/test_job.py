@@ -20,7 +20,8 @@ DEMO_NAME = "demo.default.tiny_qwen3_assistant"
 @pytest.fixture(scope="module")
 def demo_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "volume"
-    result = run_job(job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET))
+    # MLflow samples system metrics every 10 s by default, longer than this demo job trains.
+    result = run_job(job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5"))
     assert result.returncode == 0, result.stdout + result.stderr
     mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow/mlflow.db")
     return out, result

@@ -41,20 +41,37 @@ def test_qwen3_4b_needs_16_bytes_per_parameter_before_activations():
 
 MEASURE = textwrap.dedent(
     """
-    import json, resource, sys, torch
+    import json, os, sys, threading, time, torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from trainer import memory
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=16000, hidden_size=384, intermediate_size=1152, num_hidden_layers=4, num_attention_heads=6,
                          num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    # The peak of the resident set while training, sampled, minus what it was just before: the
+    # process-lifetime maximum (ru_maxrss) would include transient peaks of the imports.
+    highest, running = [0], [True]
+    def sample():
+        while running[0]:
+            highest[0] = max(highest[0], rss())
+            time.sleep(0.0005)
+    before = rss()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     net = Qwen3ForCausalLM(config)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     ids = torch.randint(0, 16000, (4, 256))
     for _ in range(2):
         net(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         optimizer.step(); optimizer.zero_grad()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    running[0] = False
+    sampler.join()
+    peak = highest[0] - before
     n = sum(p.numel() for p in net.parameters())
     parts = memory.estimate(config, n, precision="fp32", sequences_per_pass=4, passes_per_step=1, max_length=256, checkpointing=False)
     # transformers' own loss (not TRL's chunked one) materialises the full logits, their softmax and gradient

@@ -44,7 +44,4 @@ def test_every_logging_step_prints_a_progress_line_and_logs_it_to_mlflow(tmp_pat
 
 def _tracking_uri(output_dir):
     """The job's embedded MLflow store (trainer/tracking.configure)."""
-    from trainer import settings as settings_table
-    from trainer import tracking
-
-    return tracking.configure(settings_table.load({"FT_PRESET": "demo", "FT_OUTPUT_DIR": str(output_dir)}))
+    return f"sqlite:///{output_dir}/mlflow/mlflow.db"
