@@ -163,10 +163,19 @@ def test_hub_id_passes_configuration_split_and_revision(tmp_path, monkeypatch):
         calls.append((path, name, kwargs))
         return datasets.Dataset.from_list(conversations(6))
 
+    def get_dataset_split_names(path, config_name=None, **kwargs):
+        calls.append(("splits of " + path, config_name, kwargs))
+        return ["train_sft", "test"]
+
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(datasets, "get_dataset_split_names", get_dataset_split_names)
     prepared = prepare(tmp_path, "org/chats", FT_DATASET_CONFIG="en", FT_DATASET_SPLIT="train_sft", FT_DATASET_REVISION="a1b2c3")
-    assert calls == [("org/chats", "en", {"revision": "a1b2c3", "split": "train_sft"})]
-    assert len(prepared.train) == 6
+    assert calls == [
+        ("splits of org/chats", "en", {"revision": "a1b2c3"}),
+        ("org/chats", "en", {"revision": "a1b2c3", "split": "train_sft"}),
+        ("org/chats", "en", {"revision": "a1b2c3", "split": "test"}),  # its own test split validates, as the reference recipe
+    ]
+    assert len(prepared.train) == 6 and len(prepared.eval) == 6
 
 
 def test_missing_local_file_exits_2(tmp_path):
