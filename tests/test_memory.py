@@ -39,6 +39,21 @@ def test_qwen3_4b_needs_16_bytes_per_parameter_before_activations():
     assert parts["loss"] < 2e9  # chunked: never (tokens x 151936) logits
 
 
+def test_bf16_sr_needs_12_bytes_per_parameter_and_10_per_checkpoint():
+    from trainer.model import parameter_count
+
+    config = _qwen3_4b()
+    n = parameter_count(config)
+    layout = {"sequences_per_pass": 1, "passes_per_step": 8, "max_length": 2048, "checkpointing": True}
+    sr = memory.estimate(config, n, precision="bf16-sr", **layout)
+    mixed = memory.estimate(config, n, precision="bf16-mixed", **layout)
+    assert sr["weights"] + sr["gradients"] + sr["optimizer"] == pytest.approx(12 * n)  # 48 GB instead of 64
+    assert "bf16 copies" not in sr and "bf16 copies" in mixed
+    assert sum(mixed.values()) - sum(sr.values()) > 5.5 * n
+    assert memory.checkpoint_bytes(n, "bf16-sr") == pytest.approx(10 * n)
+    assert memory.checkpoint_bytes(n, "bf16-mixed") == pytest.approx(12 * n)
+
+
 MEASURE = textwrap.dedent(
     """
     import json, os, sys, threading, time, torch

@@ -59,9 +59,11 @@ def _train(settings, tokenizer, train_rows, eval_rows, precision, plan, cuda, st
     if stopper.requested:
         raise Preempted("stopped before training started; the committed checkpoints are unchanged")
     net = recipe.prepare_model(model.load_model(settings, tokenizer), settings, cuda)
+    args = recipe.sft_config(settings, precision, plan, cuda)
     trainer = SFTTrainer(
         model=net,
-        args=recipe.sft_config(settings, precision, plan, cuda),
+        args=args,
+        optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(precision, args),
         data_collator=recipe.collator(settings, tokenizer, cuda),
         train_dataset=train_rows,
         eval_dataset=recipe.eval_rows(settings, eval_rows),
@@ -81,8 +83,8 @@ def _save_final(settings, net, tokenizer, final_dir: str, precision: str) -> dic
     import mlflow
     import torch
 
-    if precision == "bf16-mixed":
-        net = net.to(torch.bfloat16)  # serving weights: half the size of the fp32 master copy
+    if precision in ("bf16-mixed", "bf16-sr"):
+        net = net.to(torch.bfloat16)  # serving weights: half the size of the fp32 master copy (bf16-sr: already bf16)
     n_params = sum(p.numel() for p in net.parameters())
     metadata = {
         "task": "llm/v1/chat",

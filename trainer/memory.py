@@ -6,6 +6,7 @@ pass the settings allow (every sequence at `FT_MAX_LENGTH`):
   weights      fp32 master copy                                  4 B/param
   gradients    fp32                                              4 B/param
   optimizer    AdamW exp_avg + exp_avg_sq, fp32                  8 B/param
+  (FT_PRECISION=bf16-sr: bf16 weights 2 + bf16 gradients 2 + fp32 states 8 = 12 B/param, no autocast copies)
   bf16 copies  autocast's cast of every weight, alive while a forward holds it (no recomputation, or a
                forward that runs while the previous pass's gradients exist)      2 B/param
   activations  per token: each layer's saved tensors (or, with recomputation, each layer's input plus
@@ -18,8 +19,9 @@ the error within `TOLERANCE`); the bf16 coefficients follow the same tensor coun
 matmul outputs and are pending a measurement on the GPU (bench/RESULTS.md).
 
 The disk check needs: a checkpoint (fp32 weights + AdamW states = 12 B/param, measured 3.0x the fp32
-weights on the demo model) times the retained ones (`FT_SAVE_TOTAL_LIMIT` + the best + the one being
-written before the oldest is deleted), plus the final model (bf16 on GPU, fp32 on CPU).
+weights on the demo model; bf16-sr: bf16 weights + fp32 states = 10 B/param, measured) times the
+retained ones (`FT_SAVE_TOTAL_LIMIT` + the best + the one being written before the oldest is deleted),
+plus the final model (bf16 on GPU or with bf16-sr, fp32 on CPU).
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def estimate(config: Any, n_params: int, *, precision: str, sequences_per_pass: 
     """Peak bytes by component for one configuration (see the module docstring)."""
     s = shape(config)
     mixed = precision == "bf16-mixed"
-    act = 2 if mixed else 4
+    bf16 = precision in ("bf16-mixed", "bf16-sr")
+    act = 2 if bf16 else 4
     tokens = sequences_per_pass * max_length
     per_layer = layer_bytes_per_token(s, act)
     if checkpointing:  # each layer's fp32 input, plus one layer recomputed and its gradients in flight
@@ -100,15 +103,15 @@ def estimate(config: Any, n_params: int, *, precision: str, sequences_per_pass: 
         activations = tokens * s["layers"] * per_layer
     activations += tokens * 4 * s["hidden"] * 3  # embeddings output, final norm, its gradient
     breakdown = {
-        "weights": 4.0 * n_params,
-        "gradients": 4.0 * n_params,
+        "weights": (2.0 if precision == "bf16-sr" else 4.0) * n_params,
+        "gradients": (2.0 if precision == "bf16-sr" else 4.0) * n_params,
         "optimizer": 8.0 * n_params,
     }
     if mixed and (not checkpointing or passes_per_step > 1):
         breakdown["bf16 copies"] = 2.0 * n_params
     breakdown["activations"] = float(activations)
     breakdown["loss"] = float(min(tokens, LOSS_TILE_TOKENS) * min(s["vocab"], LOSS_TILE_VOCAB) * 4 * 3)
-    if mixed:  # only on GPU: CUDA context and allocator slack
+    if bf16:  # only on GPU (bf16-sr on CPU: a small overestimate): CUDA context and allocator slack
         breakdown["workspace"] = 2**30 + 0.05 * sum(breakdown.values())
     return breakdown
 
@@ -144,8 +147,8 @@ def _fixes(config: Any, n_params: int, settings: Any, precision: str, capacity: 
     if plan(config, n_params, one, precision, capacity, "on").fits:
         fixes.append(f"FT_BATCH_SIZE=1 FT_GRADIENT_ACCUMULATION_STEPS={one.gradient_accumulation_steps} FT_BATCH_LAYOUT=as-set FT_ACTIVATION_CHECKPOINTING=on")
     if not fixes:
-        weights_only = 16 * n_params / GB
-        fixes.append(f"a GPU with more memory: weights, gradients and AdamW states alone take {weights_only:.0f} GB (16 B/param)")
+        per_param = 12 if precision == "bf16-sr" else 16
+        fixes.append(f"a GPU with more memory: weights, gradients and AdamW states alone take {per_param * n_params / GB:.0f} GB ({per_param} B/param)")
     return fixes
 
 
@@ -159,9 +162,9 @@ def device_capacity(settings: Any, cuda: bool) -> float:
     return float(torch.cuda.get_device_properties(0).total_memory)
 
 
-def checkpoint_bytes(n_params: int) -> float:
-    """fp32 weights (4 B/param) + fp32 AdamW states (8 B/param); measured 3.0x the weights file."""
-    return 12.0 * n_params
+def checkpoint_bytes(n_params: int, precision: str = "fp32") -> float:
+    """Weights (fp32 4 B/param, bf16-sr 2) + fp32 AdamW states (8 B/param); fp32: measured 3.0x the weights file."""
+    return (10.0 if precision == "bf16-sr" else 12.0) * n_params
 
 
 def check_disk(settings: Any, n_params: int, precision: str) -> str | None:
@@ -175,13 +178,13 @@ def check_disk(settings: Any, n_params: int, precision: str) -> str | None:
     steps_saved = settings.max_steps // settings.save_steps
     retained = min(settings.save_total_limit + 2, steps_saved)  # + the best + the one written before rotation
     new = max(retained - existing, 0)
-    final = (2 if precision == "bf16-mixed" else 4) * n_params
-    need = new * checkpoint_bytes(n_params) + final
+    final = (2 if precision in ("bf16-mixed", "bf16-sr") else 4) * n_params
+    need = new * checkpoint_bytes(n_params, precision) + final
     if need <= free:
         return None
     return (
         f"the volume at {folder} has {free / GB:.1f} GB free; this job needs ~{need / GB:.1f} GB: {new} more checkpoint(s) of "
-        f"{checkpoint_bytes(n_params) / GB:.1f} GB (fp32 weights + AdamW states; FT_SAVE_TOTAL_LIMIT={settings.save_total_limit} + the best "
+        f"{checkpoint_bytes(n_params, precision) / GB:.1f} GB ({'bf16' if precision == 'bf16-sr' else 'fp32'} weights + AdamW states; FT_SAVE_TOTAL_LIMIT={settings.save_total_limit} + the best "
         f"+ the one being written) and the final model ({final / GB:.1f} GB). Lower FT_SAVE_TOTAL_LIMIT, raise FT_SAVE_STEPS, "
         "or mount a larger FT_OUTPUT_DIR volume."
     )

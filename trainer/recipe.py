@@ -1,7 +1,8 @@
 """The reference recipe as a TRL `SFTConfig`: the seed notebook's hyperparameters, adapted to today's TRL.
 
 Where we differ from the notebook on purpose:
-- precision: fp32 master weights with bf16 autocast instead of bf16 weights updated in place;
+- precision: fp32 master weights with bf16 autocast instead of bf16 weights updated in place; or, opt-in
+  (`FT_PRECISION=bf16-sr`), bf16 weights updated by our AdamW with stochastic rounding (trainer/optim.py);
 - `activation_checkpointing` replaces the deprecated `gradient_checkpointing` name, and is chosen by
   the memory plan (trainer/memory.py): off when the step fits without recomputation, and always off on CPU;
 - batch layout (`FT_BATCH_LAYOUT=auto`): the notebook's 1 sequence x 8 accumulation passes become as
@@ -34,6 +35,17 @@ def optimizer(settings: Any, cuda: bool) -> str:
     if settings.optimizer == "auto":
         return "adamw_torch_fused" if cuda else "adamw_torch"
     return settings.optimizer
+
+
+def optimizer_cls_and_kwargs(precision: str, args: Any) -> Any:
+    """For bf16-sr, our AdamW (trainer/optim.py) for the Trainer to build, so it still makes the weight-decay
+    groups and the scheduler and saves/loads the optimizer state (with the rounding generator) in checkpoints;
+    else None (`optim` decides)."""
+    if precision != "bf16-sr":
+        return None
+    from trainer.optim import StochasticRoundingAdamW
+
+    return StochasticRoundingAdamW, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon, "seed": args.seed}
 
 
 def prepare_model(net: Any, settings: Any, cuda: bool) -> Any:
@@ -104,7 +116,7 @@ def sft_config(settings: Any, precision: str, plan: Any, cuda: bool) -> Any:
         dataloader_num_workers=settings.dataloader_workers,
         dataloader_persistent_workers=settings.dataloader_workers > 0,
         # -- precision, memory and speed
-        bf16=precision == "bf16-mixed",
+        bf16=precision in ("bf16-mixed", "bf16-sr"),  # bf16-sr: the weights are bf16 already; autocast changes nothing
         fp16=False,
         use_cpu=not cuda,
         activation_checkpointing=plan.checkpointing,
