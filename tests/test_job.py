@@ -168,6 +168,7 @@ def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(
     retry = run_job(env)
     assert retry.returncode == 0, retry.stdout + retry.stderr
     assert "starting from step" not in retry.stdout and "resuming" not in retry.stdout
+    assert "memory plan" not in retry.stdout and "fulltune: data" not in retry.stdout  # straight to the registry
     assert f"registered {DEMO_NAME}/1" in retry.stdout
 
 

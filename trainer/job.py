@@ -18,9 +18,16 @@ STATE = ".fulltune"
 def run(settings: Any) -> None:
     stopper = preemption.StopOnSignal(settings.stop_deadline_seconds)  # first: a stop during loading is seen
     state_dir = os.path.join(settings.output_dir, STATE)
+    final_dir = os.path.join(settings.output_dir, "final")
+    run_name = settings.run_name or f"{settings.model.rstrip('/')}_full-fine-tuning"
     status = _read_status(state_dir)
     if status.get("registered") or (status.get("final_model") and not settings.registered_model):
         print(f"fulltune: this job already finished ({status.get('registered') or status['final_model']}): nothing to do", flush=True)
+        return
+    if status.get("final_model"):  # trained and saved by an earlier attempt whose registration failed (exit 3)
+        tracking.configure(settings)
+        with tracking.job_run(settings, run_name) as run:
+            _register(settings, state_dir, final_dir, run)
         return
 
     import torch
@@ -32,23 +39,24 @@ def run(settings: Any) -> None:
     plan = memory.preflight(settings, precision, cuda)  # from config.json alone: exit 2 before weights or data are downloaded
     tokenizer = model.load_tokenizer(settings)
     prepared = data.prepare(settings, tokenizer)  # every row checked and tokenized; exit 2 before anything else is written
-    train_rows, eval_rows = prepared.train, prepared.eval
     checkpoints.check_fingerprint(settings, state_dir, {"precision": precision})
-    _print_plan(settings, precision, len(train_rows), eval_rows)
+    _print_plan(settings, precision, len(prepared.train), prepared.eval)
     tracking.configure(settings)
-    run_name = settings.run_name or f"{settings.model.rstrip('/')}_full-fine-tuning"
     with tracking.job_run(settings, run_name) as run:
         data.log_report(prepared.report)
-        final_dir = os.path.join(settings.output_dir, "final")
-        if not status.get("final_model"):
-            trained = _train(settings, tokenizer, train_rows, eval_rows, precision, plan, cuda, stopper)
-            metadata = _save_final(settings, trained, tokenizer, final_dir, precision)
-            _write_status(state_dir, final_model=final_dir, metadata=metadata)
+        trained = _train(settings, tokenizer, prepared.train, prepared.eval, precision, plan, cuda, stopper)
+        metadata = _save_final(settings, trained, tokenizer, final_dir, precision)
+        _write_status(state_dir, final_model=final_dir, metadata=metadata)
         print(f"fulltune: final model: {final_dir}/model (transformers) and {final_dir} (MLflow model)", flush=True)
-        if settings.registered_model:
-            version = tracking.register(settings, final_dir, _read_status(state_dir)["metadata"])
-            _write_status(state_dir, registered=version)
-            print(f"fulltune: registered {version} (run {run.info.run_id})", flush=True)
+        _register(settings, state_dir, final_dir, run)
+
+
+def _register(settings, state_dir: str, final_dir: str, run: Any) -> None:
+    if not settings.registered_model:
+        return
+    version = tracking.register(settings, final_dir, _read_status(state_dir)["metadata"])
+    _write_status(state_dir, registered=version)
+    print(f"fulltune: registered {version} (run {run.info.run_id})", flush=True)
 
 
 def _train(settings, tokenizer, train_rows, eval_rows, precision, plan, cuda, stopper) -> Any:
