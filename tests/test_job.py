@@ -11,7 +11,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from conftest import committed_steps, job_env, run_job, termination_message, wait_for
+from conftest import ROOT, committed_steps, job_env, run_job, termination_message, wait_for
 
 SECRET = "hf_do_not_leak_0123456789"
 DEMO_NAME = "demo.default.tiny_qwen3_assistant"
@@ -192,3 +192,11 @@ def test_local_datasets_train_end_to_end(layout, demo_assets, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "108 train / 12 validation rows" in result.stdout
     assert (out / "final" / "model" / "model.safetensors").exists()
+
+
+def test_runs_from_another_directory_with_a_relative_output_dir(tmp_path):
+    env = job_env("./run", FT_PRESET="demo", FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2", FT_REGISTERED_MODEL="")
+    env["FT_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
+    result = subprocess.run([sys.executable, str(ROOT / "entrypoint.py")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "run" / "final" / "model" / "model.safetensors").exists()

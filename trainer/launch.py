@@ -8,6 +8,7 @@ and the save-on-SIGTERM path.  So we let accelerate build the command and enviro
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -42,6 +43,8 @@ def run_under_accelerate(config: Any) -> int:
     import torch
 
     cmd, env = accelerate_command(use_cpu=not torch.cuda.is_available())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `-m trainer` resolves from any working directory
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     if not received:
         child = subprocess.Popen(cmd, env=env)
         returncode = child.wait()
