@@ -18,8 +18,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
 python3 -c "import mlflow" 2>/dev/null && NO_MLFLOW="" || NO_MLFLOW="--no-mlflow"
 python3 bench/run.py --gpu --dry-run --work /tmp/bench-gpu
-# literal (seed), fulltune defaults, and fulltune with padded passes: the measurement FT_PADDING_FREE=auto waits for
+# literal (seed), fulltune defaults, fulltune with padded passes (the measurement FT_PADDING_FREE=auto
+# waits for) and fulltune with FT_PRECISION=bf16-sr (opt-in until measured: 12 B/param, fuller passes)
 timeout 540 python3 bench/run.py --gpu --work /tmp/bench-gpu $NO_MLFLOW \
   --set FT_GPU_MEMORY_GB=80 --set FT_PREFLIGHT=warn \
-  --variant padded:FT_PADDING_FREE=off "$@"
+  --variant padded:FT_PADDING_FREE=off --variant bf16-sr:FT_PRECISION=bf16-sr "$@"
 if [ -n "${OUT:-}" ]; then cp bench/RESULTS.md "$OUT/RESULTS.md"; cp /tmp/bench-gpu/*.log "$OUT/" 2>/dev/null || true; fi
