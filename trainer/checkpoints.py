@@ -90,11 +90,9 @@ def latest_for_resume(checkpoint_dir: str, quarantine_dir: str) -> str | None:
 def rotate(checkpoint_dir: str, keep: int, best: str | None) -> None:
     """Delete committed checkpoints beyond the newest `keep`, never the best one."""
     found = committed(checkpoint_dir)
-    protected = {path for _, path in found[-keep:]}
-    if best:
-        protected.add(os.path.abspath(best))
+    protected = {os.path.abspath(path) for _, path in found[-keep:]} | ({os.path.abspath(best)} if best else set())
     for _step, path in found:
-        if os.path.abspath(path) not in {os.path.abspath(p) for p in protected}:
+        if os.path.abspath(path) not in protected:
             shutil.rmtree(path, ignore_errors=True)
 
 
