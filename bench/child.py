@@ -144,7 +144,7 @@ def fulltune(args, work: str, name: str, overrides: dict[str, str], cuda: bool, 
         processing_class=tokenizer,
         callbacks=[progress.Progress(net.config, net.num_parameters(), settings.batch_size * settings.gradient_accumulation_steps, cuda), timer],
     )
-    trainer.bench_layout = f"{plan.sequences_per_pass}x{plan.passes_per_step}, {'on' if plan.checkpointing else 'off'}, {'on' if recipe.padding_free(settings, cuda) else 'off'}"
+    trainer.bench_layout = f"{plan.sequences_per_pass}x{plan.passes_per_step}, {memory.checkpointing_label(plan.checkpoint_every, plan.layers)}, {'on' if recipe.padding_free(settings, cuda) else 'off'}"
     return trainer
 
 

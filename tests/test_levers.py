@@ -50,9 +50,43 @@ def test_regrouped_passes_keep_the_sequences_per_step_and_the_recipe():
     from trainer.memory import Plan
 
     settings = settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused", "FT_EVAL_MAX_SAMPLES": "3"})
-    config = recipe.sft_config(settings, "fp32", Plan(8, 1, False, {}, 0.0), cuda=False)
+    config = recipe.sft_config(settings, "fp32", Plan(8, 1, 0, {}, 0.0), cuda=False)
     assert config.per_device_train_batch_size * config.gradient_accumulation_steps == settings.batch_size * settings.gradient_accumulation_steps
     assert config.per_device_eval_batch_size == 8 and config.learning_rate == 2e-5 and not config.activation_checkpointing
     from datasets import Dataset
 
     assert len(recipe.eval_rows(settings, Dataset.from_dict({"x": list(range(10))}))) == 3
+
+
+def test_selective_recomputation_recomputes_the_planned_layers_and_keeps_the_loss(tmp_path):
+    """FT_ACTIVATION_CHECKPOINTING=selective: the plan's every-n-th layers recompute; the losses are unchanged."""
+    pytest.importorskip("trl")
+    import torch
+    from datasets import Dataset
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from trl import SFTTrainer
+
+    from trainer import demo
+    from trainer.memory import Plan
+
+    tokenizer = demo.build_tokenizer(["abc def"] * 10)
+    settings = settings_table.load({"FT_OUTPUT_DIR": str(tmp_path), "FT_MAX_STEPS": "3", "FT_LOGGING_STEPS": "1", "FT_WARMUP_STEPS": "0", "FT_LEARNING_RATE": "1e-3"})
+    generator = torch.Generator().manual_seed(0)
+    rows = Dataset.from_dict({"input_ids": [torch.randint(3, len(tokenizer), (int(n),), generator=generator).tolist() for n in torch.randint(8, 40, (24,), generator=generator)]})
+
+    def train(every: int) -> tuple[list[float], list[bool]]:
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=tokenizer.pad_token_id)
+        net = recipe.prepare_model(Qwen3ForCausalLM(config), settings, cuda=False)
+        args = recipe.sft_config(settings, "fp32", Plan(8, 1, every, {}, 0.0), cuda=False)
+        args.report_to = []  # no MLflow run for this check
+        trainer = SFTTrainer(model=net, args=args, train_dataset=rows, eval_dataset=rows.select(range(4)), processing_class=tokenizer, data_collator=recipe.collator(settings, tokenizer, cuda=False))
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return losses, [layer.gradient_checkpointing for layer in net.model.layers]
+
+    kept, no_flags = train(0)
+    recomputed, flags = train(2)
+    assert no_flags == [False] * 4
+    assert flags == [True, False, True, False]  # every 2nd layer, from the first, as the memory plan counts them
+    assert len(kept) == 3 and recomputed == pytest.approx(kept, rel=1e-5)

@@ -9,8 +9,8 @@ pass the settings allow (every sequence at `FT_MAX_LENGTH`):
   (FT_PRECISION=bf16-sr: bf16 weights 2 + bf16 gradients 2 + fp32 states 8 = 12 B/param, no autocast copies)
   bf16 copies  autocast's cast of every weight, alive while a forward holds it (no recomputation, or a
                forward that runs while the previous pass's gradients exist)      2 B/param
-  activations  per token: each layer's saved tensors (or, with recomputation, each layer's input plus
-               one layer recomputed in the backward)
+  activations  per token: each layer's saved tensors; a recomputed layer keeps only its input, and
+               one recomputed layer's tensors and gradients are in flight in the backward
   loss         TRL's chunked log-prob tiles (4096 tokens x 32768 vocab), never the full logits
   workspace    CUDA context, cuBLAS workspace and allocator slack (1 GiB + 5 %)
 
@@ -35,6 +35,7 @@ from trainer.errors import ConfigError
 
 GB = 1e9
 TOLERANCE = 0.15  # allowed error against measured peaks; measured -3 % and +1 % on CPU (tests/test_memory.py, bench/RESULTS.md)
+RECOMPUTE_IN_FLIGHT = 3  # layers' worth of tensors while one layer is recomputed and differentiated (measured, CPU)
 LOSS_TILE_TOKENS, LOSS_TILE_VOCAB = 4096, 32768  # trl.kernels.chunked_logprob tile
 
 
@@ -44,13 +45,18 @@ class Plan:
 
     sequences_per_pass: int
     passes_per_step: int
-    checkpointing: bool
+    checkpoint_every: int  # 0: no recomputation; n: every n-th decoder layer recomputes (transformers' `every_n_layers`)
     breakdown: dict[str, float]  # bytes, by component
     capacity: float  # bytes; 0 = no device limit (CPU)
+    layers: int = 0  # decoder layers, for describing the recomputation
 
     @property
     def peak(self) -> float:
         return sum(self.breakdown.values())
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.checkpoint_every > 0
 
     @property
     def fits(self) -> bool:
@@ -61,8 +67,21 @@ class Plan:
         limit = f" of {self.capacity / GB:.1f} GB" if self.capacity else " (no device limit)"
         return (
             f"{self.sequences_per_pass} sequences x {self.passes_per_step} passes per step, activation checkpointing "
-            f"{'on' if self.checkpointing else 'off'}: peak ~{self.peak / GB:.1f} GB{limit} ({parts} GB)"
+            f"{checkpointing_label(self.checkpoint_every, self.layers)}: peak ~{self.peak / GB:.1f} GB{limit} ({parts} GB)"
         )
+
+
+def checkpointed_layers(every: int, layers: int) -> int:
+    """Layers 0, n, 2n, ... recompute (transformers' `every_n_layers`); 0 = none."""
+    return -(-layers // every) if every else 0
+
+
+def checkpointing_label(every: int, layers: int) -> str:
+    if not every:
+        return "off"
+    if every == 1:
+        return "full (every layer)"
+    return f"selective (every {every} layers: {checkpointed_layers(every, layers)} of {layers})"
 
 
 def shape(config: Any) -> dict[str, int]:
@@ -89,25 +108,34 @@ def layer_bytes_per_token(s: dict[str, int], act: int) -> float:
     return norms + attention + mlp
 
 
-def estimate(config: Any, n_params: int, *, precision: str, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpointing: bool) -> dict[str, float]:
-    """Peak bytes by component for one configuration (see the module docstring)."""
+def saved_per_token(layers: int, layer_input: float, per_layer: float, every: int) -> float:
+    """The most activation bytes alive at once: at the end of the forward, or in the backward of the highest
+    recomputed layer, when the layers above it have freed theirs, those below still hold theirs, and its own
+    recomputed tensors and their gradients are in flight (RECOMPUTE_IN_FLIGHT layers' worth, fitted on CPU)."""
+    recomputed = checkpointed_layers(every, layers)
+    end_of_forward = (layers - recomputed) * per_layer + recomputed * layer_input
+    if not recomputed:
+        return end_of_forward
+    kept_below_highest = (recomputed - 1) * (every - 1)
+    return max(end_of_forward, (kept_below_highest + RECOMPUTE_IN_FLIGHT) * per_layer + recomputed * layer_input)
+
+
+def estimate(config: Any, n_params: int, *, precision: str, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int) -> dict[str, float]:
+    """Peak bytes by component for one configuration (see the module docstring); `checkpoint_every` as in Plan."""
     s = shape(config)
     mixed = precision == "bf16-mixed"
     bf16 = precision in ("bf16-mixed", "bf16-sr")
     act = 2 if bf16 else 4
     tokens = sequences_per_pass * max_length
     per_layer = layer_bytes_per_token(s, act)
-    if checkpointing:  # each layer's fp32 input, plus one layer recomputed and its gradients in flight
-        activations = tokens * (s["layers"] * 4 * s["hidden"] + 2 * per_layer)
-    else:
-        activations = tokens * s["layers"] * per_layer
+    activations = tokens * saved_per_token(s["layers"], 4 * s["hidden"], per_layer, checkpoint_every)
     activations += tokens * 4 * s["hidden"] * 3  # embeddings output, final norm, its gradient
     breakdown = {
         "weights": (2.0 if precision == "bf16-sr" else 4.0) * n_params,
         "gradients": (2.0 if precision == "bf16-sr" else 4.0) * n_params,
         "optimizer": 8.0 * n_params,
     }
-    if mixed and (not checkpointing or passes_per_step > 1):
+    if mixed and (checkpoint_every != 1 or passes_per_step > 1):
         breakdown["bf16 copies"] = 2.0 * n_params
     breakdown["activations"] = float(activations)
     breakdown["loss"] = float(min(tokens, LOSS_TILE_TOKENS) * min(s["vocab"], LOSS_TILE_VOCAB) * 4 * 3)
@@ -117,23 +145,38 @@ def estimate(config: Any, n_params: int, *, precision: str, sequences_per_pass: 
 
 
 def plan(config: Any, n_params: int, settings: Any, precision: str, capacity: float, checkpointing: str) -> Plan:
-    """Fewest forward passes per step, then no recomputation, that fit `capacity` (0 = no limit).
+    """Fewest forward passes per step, then the least recomputation, that fit `capacity` (0 = no limit).
 
-    `checkpointing` is `on`, `off` or `auto`; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
+    `checkpointing` is FT_ACTIVATION_CHECKPOINTING; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
     """
     effective = settings.batch_size * settings.gradient_accumulation_steps
     if settings.batch_layout == "as-set":
         layouts = [(settings.batch_size, settings.gradient_accumulation_steps)]
     else:
         layouts = [(effective // p, p) for p in range(1, effective + 1) if effective % p == 0]
-    policies = {"on": [True], "off": [False]}.get(checkpointing, [False, True] if capacity else [False])
+    layers = shape(config)["layers"]
     candidates = []
     for per_pass, passes in layouts:
-        for gc in policies:
-            breakdown = estimate(config, n_params, precision=precision, sequences_per_pass=per_pass, passes_per_step=passes, max_length=settings.max_length, checkpointing=gc)
-            candidates.append(Plan(per_pass, passes, gc, breakdown, capacity))
+        for every in recomputation_choices(checkpointing, layers, bool(capacity)):
+            breakdown = estimate(config, n_params, precision=precision, sequences_per_pass=per_pass, passes_per_step=passes, max_length=settings.max_length, checkpoint_every=every)
+            candidates.append(Plan(per_pass, passes, every, breakdown, capacity, layers))
     fitting = [c for c in candidates if c.fits]
     return fitting[0] if fitting else min(candidates, key=lambda c: c.peak)
+
+
+def recomputation_choices(policy: str, layers: int, limited: bool) -> list[int]:
+    """`every_n_layers` values to try, least recomputation first (0 = none, 1 = every layer).
+
+    Without a device limit (CPU) recomputation only costs time: `auto` is off and `selective` every 2nd layer.
+    """
+    largest_n_per_count = {checkpointed_layers(n, layers): n for n in range(2, layers + 1)}
+    partial = [n for _, n in sorted(largest_n_per_count.items())]
+    return {
+        "off": [0],
+        "full": [1],
+        "selective": (partial or [1]) if limited else [min(2, layers)],
+        "auto": [0, *partial, 1] if limited else [0],
+    }[policy]
 
 
 def _fixes(config: Any, n_params: int, settings: Any, precision: str, capacity: float) -> list[str]:
@@ -144,8 +187,8 @@ def _fixes(config: Any, n_params: int, settings: Any, precision: str, capacity: 
             fixes.append(f"FT_MAX_LENGTH={length}")
             break
     one = dataclasses.replace(settings, batch_layout="as-set", batch_size=1, gradient_accumulation_steps=settings.batch_size * settings.gradient_accumulation_steps)
-    if plan(config, n_params, one, precision, capacity, "on").fits:
-        fixes.append(f"FT_BATCH_SIZE=1 FT_GRADIENT_ACCUMULATION_STEPS={one.gradient_accumulation_steps} FT_BATCH_LAYOUT=as-set FT_ACTIVATION_CHECKPOINTING=on")
+    if plan(config, n_params, one, precision, capacity, "full").fits:
+        fixes.append(f"FT_BATCH_SIZE=1 FT_GRADIENT_ACCUMULATION_STEPS={one.gradient_accumulation_steps} FT_BATCH_LAYOUT=as-set FT_ACTIVATION_CHECKPOINTING=full")
     if not fixes:
         per_param = 12 if precision == "bf16-sr" else 16
         fixes.append(f"a GPU with more memory: weights, gradients and AdamW states alone take {per_param * n_params / GB:.0f} GB ({per_param} B/param)")
@@ -201,8 +244,6 @@ def preflight(settings: Any, precision: str, cuda: bool) -> Plan:
     n_params = model.parameter_count(config)
     capacity = device_capacity(settings, cuda)
     chosen = plan(config, n_params, settings, precision, capacity, settings.activation_checkpointing)
-    if settings.activation_checkpointing == "auto" and not capacity:
-        chosen = dataclasses.replace(chosen, checkpointing=False)  # CPU: recomputation only costs time
     print(f"fulltune: memory plan: {chosen.describe()}", flush=True)
     problems = []
     if settings.preflight == "off":

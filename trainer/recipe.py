@@ -3,8 +3,9 @@
 Where we differ from the notebook on purpose:
 - precision: fp32 master weights with bf16 autocast instead of bf16 weights updated in place; or, opt-in
   (`FT_PRECISION=bf16-sr`), bf16 weights updated by our AdamW with stochastic rounding (trainer/optim.py);
-- `activation_checkpointing` replaces the deprecated `gradient_checkpointing` name, and is chosen by
-  the memory plan (trainer/memory.py): off when the step fits without recomputation, and always off on CPU;
+- `activation_checkpointing` replaces the deprecated `gradient_checkpointing` name, and how many layers
+  recompute is chosen by the memory plan (trainer/memory.py): none when the step fits without, else every
+  n-th layer with n as large as fits (transformers' `every_n_layers`), and none on CPU;
 - batch layout (`FT_BATCH_LAYOUT=auto`): the notebook's 1 sequence x 8 accumulation passes become as
   few passes as the memory plan fits (8 x 1 on CPU).  Each optimizer step sees the same 8 sequences in
   the same order, and the loss is normalised by the step's token count either way, so the updates are
@@ -78,7 +79,7 @@ def eval_rows(settings: Any, rows: Any) -> Any:
 
 
 def sft_config(settings: Any, precision: str, plan: Any, cuda: bool) -> Any:
-    """`plan` (trainer.memory.Plan) gives the passes per step and whether activations are recomputed."""
+    """`plan` (trainer.memory.Plan) gives the passes per step and which layers recompute their activations."""
     from trl import SFTConfig
 
     return SFTConfig(
@@ -120,7 +121,7 @@ def sft_config(settings: Any, precision: str, plan: Any, cuda: bool) -> Any:
         fp16=False,
         use_cpu=not cuda,
         activation_checkpointing=plan.checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if plan.checkpointing else None,
+        activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": plan.checkpoint_every} if plan.checkpointing else None,
         optim=optimizer(settings, cuda),
         torch_compile=settings.compile,
         use_liger_kernel=settings.liger,
