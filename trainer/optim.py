@@ -100,7 +100,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
                 state["step"] += 1
-                step = state["step"].item()
+                step = state["step"].item()  # a CPU tensor (also after load_state_dict): no GPU sync
                 grad = p.grad.float()
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 exp_avg.lerp_(grad, 1 - beta1)
