@@ -111,9 +111,27 @@ def test_azureml_command_job_validates_against_the_sdk_schema(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     kind, command = result.stdout.splitlines()[0].split(" ", 1)
     assert kind == "Command"
-    assert command.startswith("FT_OUTPUT_DIR=${{outputs.output_dir}} python /app/entrypoint.py")
+    assert command.startswith("FT_OUTPUT_DIR=${{outputs.output_dir}} env -u MLFLOW_TRACKING_URI python /app/entrypoint.py")
     env = yaml.safe_load(path.read_text())["environment_variables"]
     _assert_known_settings({**env, "FT_OUTPUT_DIR": str(tmp_path)})
+
+
+def test_azureml_command_trains_although_azure_ml_points_mlflow_at_its_own_store(tmp_path):
+    """The spec's command, run by a shell as Azure ML does, with the variables Azure ML sets (demo preset)."""
+    import os
+    import sys
+
+    command = yaml.safe_load((DEPLOY / "azureml" / "command-job.yml").read_text())["command"]
+    command = command.replace("${{outputs.output_dir}}", str(tmp_path / "output")).replace("python /app/entrypoint.py", f"{sys.executable} {REPO / 'entrypoint.py'}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "MLFLOW_"))} | {
+        "AZUREML_RUN_ID": "fulltune-qwen3-4b_1700000000_abcdef",
+        "MLFLOW_TRACKING_URI": "azureml://eastus.api.azureml.ms/mlflow/v1.0/subscriptions/x/resourceGroups/y/providers/Microsoft.MachineLearningServices/workspaces/z",
+        "HF_HUB_OFFLINE": "1", "FT_PRESET": "demo", "FT_MAX_STEPS": "4", "FT_EVAL_STEPS": "4", "FT_SAVE_STEPS": "4", "FT_TERMINATION_MESSAGE_PATH": "",
+    }
+    result = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.startswith("fulltune: platform azureml detected by AZUREML_RUN_ID")
+    assert (tmp_path / "output" / "mlflow" / "mlflow.db").exists() and (tmp_path / "output" / "final" / "model").is_dir()
 
 
 def test_azureml_schema_check_rejects_an_unknown_field(tmp_path):

@@ -172,6 +172,17 @@ def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(
     assert f"registered {DEMO_NAME}/1" in retry.stdout
 
 
+def test_a_tracking_uri_this_mlflow_cannot_use_exits_2_before_training_without_its_password(tmp_path):
+    out = tmp_path / "volume"
+    env = job_env(out, FT_PRESET="demo", MLFLOW_TRACKING_URI="azureml://bob:s3cret-pw@eastus.api.azureml.ms/mlflow/v1.0/subscriptions/x")
+    result = run_job(env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "MLFLOW_TRACKING_URI='azureml://****@eastus.api.azureml.ms" in result.stderr and "azureml-mlflow" in result.stderr
+    assert "Traceback" not in result.stderr and "exit 2" in termination_message(env)
+    assert "s3cret-pw" not in result.stdout + result.stderr + termination_message(env)
+    assert not (out / "checkpoints").exists() and not (out / "mlflow").exists()
+
+
 @pytest.mark.parametrize("layout", ["parquet-shards", "save_to_disk"])
 def test_local_datasets_train_end_to_end(layout, demo_assets, tmp_path):
     import datasets

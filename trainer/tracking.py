@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from trainer import settings as settings_table
-from trainer.errors import Preempted, RegistrationFailed
+from trainer.errors import ConfigError, Preempted, RegistrationFailed
 
 RUN_FILE = os.path.join(".fulltune", "mlflow_run.json")
 
@@ -42,7 +42,11 @@ def configure(settings: Any) -> str:
     if os.environ.get("MLFLOW_REGISTRY_URI"):
         mlflow.set_registry_uri(os.environ["MLFLOW_REGISTRY_URI"])
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "fulltune")
-    if mlflow.get_experiment_by_name(name) is None:
+    try:
+        experiment = mlflow.get_experiment_by_name(name)
+    except mlflow.tracking.registry.UnsupportedModelRegistryStoreURIException as error:
+        raise _unsupported_store() from error
+    if experiment is None:
         local = f"file://{os.path.join(store, 'artifacts')}" if embedded() else None
         mlflow.create_experiment(name, artifact_location=local)
     mlflow.set_experiment(name)
@@ -50,6 +54,32 @@ def configure(settings: Any) -> str:
     # field) are skipped: our own FT_* params are the effective configuration.
     os.environ["MLFLOW_MAX_LOG_PARAMS"] = "0"
     return uri
+
+
+def redact(uri: str) -> str:
+    """The URI without user name or password, for logs and the volume."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if not (parts.username or parts.password):
+        return uri
+    host = parts.hostname + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=f"****@{host}"))
+
+
+def _unsupported_store() -> ConfigError:
+    """MLflow has no store for the URI's scheme: a plugin missing from the image, or a typo."""
+    named = {n: os.environ[n] for n in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI") if os.environ.get(n)}
+    shown = ", ".join(f"{n}={redact(v)!r}" for n, v in named.items())
+    hint = (
+        " `azureml://` needs the azureml-mlflow plugin, which pins an MLflow older than the image's; deploy/azureml/command-job.yml unsets the variable."
+        if any(v.startswith("azureml:") for v in named.values())
+        else ""
+    )
+    return ConfigError(
+        f"{shown}: this image's MLflow cannot track or register there (supported: http(s):// servers, databricks, "
+        f"databricks-uc, SQL databases, sqlite, file); unset MLFLOW_TRACKING_URI for the store on the volume.{hint}"
+    )
 
 
 @contextlib.contextmanager
@@ -88,7 +118,7 @@ def start_run(settings: Any, run_name: str) -> Any:
         mlflow.log_params(settings_table.as_params(settings))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"run_id": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}, f)
+            json.dump({"run_id": run.info.run_id, "tracking_uri": redact(mlflow.get_tracking_uri())}, f)
         os.replace(path + ".tmp", path)
     return run
 
