@@ -21,8 +21,11 @@ python3 bench/run.py --gpu --dry-run --work /tmp/bench-gpu
 # literal (seed), fulltune defaults, fulltune with padded passes (the measurement FT_PADDING_FREE=auto
 # waits for), fulltune with FT_PRECISION=bf16-sr (opt-in until measured: 12 B/param, fuller passes), and
 # bf16-sr planned for the whole H200, where it recomputes every 2nd layer only (selective recomputation)
+# On timeout run.py stops the variant in progress and still writes the table of the finished ones.
+status=0
 timeout 540 python3 bench/run.py --gpu --work /tmp/bench-gpu $NO_MLFLOW \
   --set FT_GPU_MEMORY_GB=80 --set FT_PREFLIGHT=warn \
   --variant padded:FT_PADDING_FREE=off --variant bf16-sr:FT_PRECISION=bf16-sr \
-  --variant bf16-sr-selective:FT_PRECISION=bf16-sr,FT_GPU_MEMORY_GB=139 "$@"
+  --variant bf16-sr-selective:FT_PRECISION=bf16-sr,FT_GPU_MEMORY_GB=139 "$@" || status=$?
 if [ -n "${OUT:-}" ]; then cp bench/RESULTS.md "$OUT/RESULTS.md"; cp /tmp/bench-gpu/*.log "$OUT/" 2>/dev/null || true; fi
+exit "$status"

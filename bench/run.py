@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,19 +88,31 @@ def main(argv: list[str]) -> int:
 
         child.dry_run(args, work)
         return 0
-    results = {}
+    results, running, stopped = {}, [], []
+
+    def stop(signum, frame):  # `timeout` in gpu_check.sh: stop the variant in progress, keep the finished ones
+        stopped.append(signum)
+        for proc in running:
+            proc.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
     for name, overrides in variants(args).items():
+        if stopped:
+            break
         cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name, "--work", work, "--overrides", json.dumps(overrides), "--t0", str(time.time())]
         started = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+        running[:] = [proc]
+        stdout, stderr = proc.communicate()
         wall = time.perf_counter() - started
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH-RESULT ")]
+        lines = [line for line in stdout.splitlines() if line.startswith("BENCH-RESULT ")]
         log = os.path.join(work, f"{name}.log")
         with open(log, "w") as f:
-            f.write(proc.stdout + proc.stderr)
+            f.write(stdout + stderr)
         if proc.returncode or not lines:
-            print(f"bench: {name} failed (exit {proc.returncode}); log: {log}\n{(proc.stdout + proc.stderr)[-3000:]}", flush=True)
-            results[name] = {"failed": proc.returncode}
+            why = "stopped: out of time" if stopped else f"failed (exit {proc.returncode})"
+            print(f"bench: {name} {why}; log: {log}\n{(stdout + stderr)[-3000:]}", flush=True)
+            results[name] = {"failed": proc.returncode, "stopped": bool(stopped)}
             continue
         results[name] = json.loads(lines[-1].removeprefix("BENCH-RESULT ")) | {"wall_s": wall, "overrides": overrides}
         print(f"bench: {name}: {json.dumps(results[name])}", flush=True)
@@ -145,7 +158,10 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict)
         cells = []
         for n in names:
             v = results[n].get(key)
-            cells.append("failed" if "failed" in results[n] else ("-" if v is None else fmt.format(v)))
+            if "failed" in results[n]:
+                cells.append("stopped (time)" if results[n]["stopped"] else "failed")
+            else:
+                cells.append("-" if v is None else fmt.format(v))
         ratio = ""
         if "literal" in ok and "fulltune" in ok:
             a, b = results["literal"].get(key), results["fulltune"].get(key)
