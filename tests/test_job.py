@@ -139,12 +139,14 @@ def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
         FT_MAX_STEPS="10",
         FT_EVAL_STEPS="10",
         FT_SAVE_STEPS="10",
-        MLFLOW_TRACKING_URI=mlflow_server,
+        MLFLOW_TRACKING_URI=mlflow_server.replace("http://", "http://ci:pw-do-not-leak@"),  # the server ignores basic auth
         MLFLOW_EXPERIMENT_NAME="server-test",
     )
     result = run_job(env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert not (out / "mlflow").exists(), "with a server nothing of MLflow's is stored on the volume"
+    on_volume = "".join(p.read_text(errors="replace") for p in (out / ".fulltune").rglob("*") if p.is_file())
+    assert "127.0.0.1" in on_volume and "pw-do-not-leak" not in on_volume + result.stdout + result.stderr
     mlflow.set_tracking_uri(mlflow_server)
     runs = mlflow.search_runs(experiment_names=["server-test"], output_format="list")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"

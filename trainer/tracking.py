@@ -39,6 +39,9 @@ def configure(settings: Any) -> str:
     if uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
     mlflow.set_tracking_uri(uri)
+    if any(redact(u) != u for u in (uri, os.environ.get("MLFLOW_REGISTRY_URI", ""))):  # MLflow prints links built from them, password included
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+        os.environ["MLFLOW_PRINT_MODEL_URLS_ON_CREATION"] = "false"
     if os.environ.get("MLFLOW_REGISTRY_URI"):
         mlflow.set_registry_uri(os.environ["MLFLOW_REGISTRY_URI"])
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "fulltune")
@@ -63,7 +66,7 @@ def redact(uri: str) -> str:
     parts = urlsplit(uri)
     if not (parts.username or parts.password):
         return uri
-    host = parts.hostname + (f":{parts.port}" if parts.port else "")
+    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=f"****@{host}"))
 
 
