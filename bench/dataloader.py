@@ -13,7 +13,6 @@ No model runs, so this measures the input side only; it prints milliseconds per 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import sys
@@ -27,12 +26,12 @@ def rows(n: int, mean_tokens: int, max_length: int, seed: int = 0):
     """Token rows with bench/synthetic.py's length distribution; half the tokens carry loss."""
     from datasets import Dataset, Features, List, Value
 
+    from bench import synthetic
+
     rng = random.Random(seed)
-    sigma = 0.8
-    mu = math.log(mean_tokens) - sigma**2 / 2
     ids, labels = [], []
     for _ in range(n):
-        length = min(max(32, int(rng.lognormvariate(mu, sigma))), 8 * mean_tokens, max_length)
+        length = min(synthetic.length(rng, mean_tokens), max_length)
         row = [rng.randrange(10, 8000) for _ in range(length)]
         ids.append(row)
         labels.append([-100] * (length // 2) + row[length // 2 :])

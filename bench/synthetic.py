@@ -36,9 +36,14 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"], chat_template=TEMPLATE, model_max_length=1 << 20)
 
 
-def conversation(rng: random.Random, mean_tokens: int) -> tuple[dict, int]:
+def length(rng: random.Random, mean_tokens: int) -> int:
+    """A conversation's token count: log-normal, sigma 0.8, clipped to [32, 8 x mean]."""
     sigma = 0.8
-    total = int(min(max(rng.lognormvariate(math.log(mean_tokens) - sigma**2 / 2, sigma), 32), 8 * mean_tokens))
+    return int(min(max(rng.lognormvariate(math.log(mean_tokens) - sigma**2 / 2, sigma), 32), 8 * mean_tokens))
+
+
+def conversation(rng: random.Random, mean_tokens: int) -> tuple[dict, int]:
+    total = length(rng, mean_tokens)
     exchanges = rng.randint(1, 4)
     roles = (["system"] if rng.random() < 0.2 else []) + ["user", "assistant"] * exchanges
     words = max(total - 3 * len(roles), len(roles))
