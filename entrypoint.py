@@ -1,31 +1,32 @@
 #!/usr/bin/env python3
-"""Container entrypoint: validate the FT_* settings, then run the job under accelerate.
+"""Container entrypoint: parse and validate the FT_* settings once, then run the job under accelerate.
 
     FT_PRESET=demo FT_OUTPUT_DIR=./out python entrypoint.py      # tiny offline demo on CPU
     docker run --gpus 1 -v /data/run1:/output fulltune           # the reference job
 
 Validation runs here, before torch is imported, so a typo exits 2 within a second.  The training
 process is a child so that this process (PID 1 in a container) can forward SIGTERM/SIGINT to it and
-return its exact exit code (see trainer/launch.py and the README's exit codes).
+return its exact exit code; it receives the configuration built here (trainer/config.py), not the
+environment to parse again (see trainer/launch.py and the README's exit codes).
 """
 
 import os
 import sys
 
-from trainer import errors, platforms, settings
+from trainer import config, errors, launch, platforms, settings
 
 
 def main() -> int:
+    stops = launch.StopForwarder()  # first: a stop during start-up is answered, never lost
     platform, implied = platforms.detect(os.environ)
-    os.environ.update(implied)  # the training process and the exit path see what the platform implied
     print(platforms.describe(platform, implied), flush=True)
+    # Until the settings parse, the termination message goes where the raw variables (or the platform) say.
+    errors.set_termination_message_path({**implied, **os.environ}.get("FT_TERMINATION_MESSAGE_PATH", errors.DEFAULT_TERMINATION_LOG))
     try:
-        config = settings.load(os.environ)
+        job = config.build(settings.load(os.environ))  # build() imports torch for the device: only once the settings are valid
     except errors.FulltuneError as error:
         return errors.exit_code_for(error)
-    from trainer import launch  # imports accelerate (and torch): only after the settings are valid
-
-    return launch.run_under_accelerate(config)
+    return launch.run_under_accelerate(job, stops)
 
 
 if __name__ == "__main__":

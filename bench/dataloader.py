@@ -48,13 +48,14 @@ def seconds_per_step(workers: int, data, steps: int, sequences_per_step: int) ->
     from bench import synthetic
     from trainer import recipe
     from trainer import settings as settings_table
+    from trainer.config import PRECISIONS
     from trainer.memory import Plan
 
     with tempfile.TemporaryDirectory() as out:
         settings = settings_table.load({"FT_OUTPUT_DIR": out, "FT_DATALOADER_WORKERS": str(workers), "FT_MAX_LENGTH": "2048"})
         tokenizer = synthetic.tokenizer()
         net = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-        args = recipe.sft_config(settings, "fp32", Plan(sequences_per_step, 1, 0, {}, 0.0), cuda=False)
+        args = recipe.sft_config(settings, PRECISIONS["fp32"], Plan(sequences_per_step, 1, 0, {}, 0.0), cuda=False)
         args.report_to = []
         trainer = SFTTrainer(model=net, args=args, train_dataset=data, eval_dataset=data.select(range(2)), processing_class=tokenizer, data_collator=recipe.collator(settings, tokenizer, cuda=False))
         loader = trainer.get_train_dataloader()

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def job_env(output_dir: Path | str, **settings: str) -> dict[str, str]:
     """The process environment minus any FT_*/MLFLOW_* of the caller, plus the given settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "MLFLOW_", "FULLTUNE_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "MLFLOW_", "FULLTUNE_", "FAULT_"))}
     env.update(
         HF_HUB_OFFLINE="1",
         PYTHONUNBUFFERED="1",
@@ -26,6 +26,13 @@ def job_env(output_dir: Path | str, **settings: str) -> dict[str, str]:
     )
     env.update({k: str(v) for k, v in settings.items()})
     return env
+
+
+def with_faults(env: dict[str, str], **faults: str) -> dict[str, str]:
+    """`env` with the test-only fault injection of tests/faults/sitecustomize.py switched on (FAULT_* variables)."""
+    folder = str(ROOT / "tests" / "faults")
+    path = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH")) if p)
+    return env | {"PYTHONPATH": path} | {f"FAULT_{name.upper()}": str(value) for name, value in faults.items()}
 
 
 def run_job(env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:

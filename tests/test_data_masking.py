@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_data import CHAT, conversations, prepare, tokenizer, write_jsonl
 from trl.chat_template_utils import qwen3_chat_template
 
-from trainer import data, masking
+from trainer import masking
+from trainer.volume import Volume
 
 SYSTEM = {"role": "system", "content": "You reverse lists of words."}
 CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"word": "cloud"}}}]}
@@ -97,7 +100,7 @@ def test_report_has_the_length_summary_and_goes_to_the_volume(tmp_path):
     lengths = sorted(len(ids) for ids in prepared.train["input_ids"])
     summary = prepared.report["token_lengths"]
     assert (summary["min"], summary["max"]) == (lengths[0], lengths[-1]) and summary["min"] <= summary["median"] <= summary["p95"] <= summary["max"]
-    text = (tmp_path / "out" / data.REPORT_FILE).read_text()
+    text = Path(Volume(str(tmp_path / "out")).data_report).read_text()
     assert "kept 36 train / 4 validation rows" in text and "example (trained spans in ⟦ ⟧)" in text
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from test_data import CHAT, conversations, demo_model, prepare, tokenizer, write_jsonl
@@ -11,6 +12,7 @@ from test_data import CHAT, conversations, demo_model, prepare, tokenizer, write
 from conftest import job_env, run_job, termination_message
 from trainer import data
 from trainer.errors import ConfigError, DataError
+from trainer.volume import Volume
 
 GOOD = {"messages": CHAT}
 USER, REPLY = CHAT
@@ -74,8 +76,8 @@ def test_malformed_row_exits_2_naming_the_row_and_the_reason(tmp_path, name, lin
     message = str(raised.value)
     assert "train.jsonl line 3: " in message and expected in message, message
     assert "FT_BAD_ROWS=skip" in message
-    assert os.listdir(tmp_path / "out") == [data.REPORT_FILE]  # only the report reaches the volume
-    assert expected in (tmp_path / "out" / data.REPORT_FILE).read_text()
+    assert os.listdir(tmp_path / "out") == [os.path.basename(Volume("").data_report)]  # only the report reaches the volume
+    assert expected in Path(Volume(str(tmp_path / "out")).data_report).read_text()
 
 
 @pytest.mark.parametrize(("name", "lines", "expected"), MALFORMED, ids=[m[0] for m in MALFORMED])
@@ -110,7 +112,7 @@ def test_counts_per_reason_and_only_the_first_rows_are_listed(tmp_path):
     message = str(raised.value)
     assert "35 bad row(s)" in message and "30 x unknown role, 5 x null row" in message
     assert message.count("train.jsonl line") == data.SHOWN
-    assert "... 15 more" in (tmp_path / "out" / data.REPORT_FILE).read_text()
+    assert "... 15 more" in Path(Volume(str(tmp_path / "out")).data_report).read_text()
 
 
 def test_all_rows_dropped_as_too_long_exits_2(tmp_path):
@@ -151,4 +153,4 @@ def test_bad_data_exits_2_end_to_end_without_traceback_leaving_only_the_report(t
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and expected in done.stderr
     assert expected in termination_message(env)
-    assert os.listdir(tmp_path / "out") == [data.REPORT_FILE]
+    assert os.listdir(tmp_path / "out") == [os.path.basename(Volume("").data_report)]

@@ -62,6 +62,19 @@ def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configur
     assert SECRET not in everything
 
 
+def test_the_run_holds_the_effective_settings_as_params_and_the_trainers_metrics_at_each_logging_step(demo_job):
+    """fulltune logs the Trainer's metrics itself: no TrainingArguments params, no second run (report_to="none")."""
+    from trainer import settings
+
+    run = only_run()
+    assert set(run.data.params) == set(settings.BY_ENV_NAME) | {"detected_platform", "precision"}
+    assert run.data.params["precision"] == "fp32"  # FT_PRECISION=auto on CPU, as resolved once in entrypoint.py
+    client = mlflow.MlflowClient()
+    for metric in ("loss", "grad_norm", "learning_rate", "tokens_per_s"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == list(range(5, 41, 5)), metric
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_loss")] == [20, 40]
+
+
 def test_demo_job_registers_a_version_linked_to_its_run_with_metadata(demo_job):
     run = only_run()
     version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")

@@ -6,6 +6,7 @@ import pytest
 
 from trainer import recipe
 from trainer import settings as settings_table
+from trainer.config import PRECISIONS
 
 
 def _tiny_model():
@@ -50,7 +51,7 @@ def test_regrouped_passes_keep_the_sequences_per_step_and_the_recipe():
     from trainer.memory import Plan
 
     settings = settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused", "FT_EVAL_MAX_SAMPLES": "3"})
-    config = recipe.sft_config(settings, "fp32", Plan(8, 1, 0, {}, 0.0), cuda=False)
+    config = recipe.sft_config(settings, PRECISIONS["fp32"], Plan(8, 1, 0, {}, 0.0), cuda=False)
     assert config.per_device_train_batch_size * config.gradient_accumulation_steps == settings.batch_size * settings.gradient_accumulation_steps
     assert config.per_device_eval_batch_size == 8 and config.learning_rate == 2e-5 and not config.activation_checkpointing
     from datasets import Dataset
@@ -78,7 +79,7 @@ def test_selective_recomputation_recomputes_the_planned_layers_and_keeps_the_los
         torch.manual_seed(0)
         config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=tokenizer.pad_token_id)
         net = recipe.prepare_model(Qwen3ForCausalLM(config), settings, cuda=False)
-        args = recipe.sft_config(settings, "fp32", Plan(8, 1, every, {}, 0.0), cuda=False)
+        args = recipe.sft_config(settings, PRECISIONS["fp32"], Plan(8, 1, every, {}, 0.0), cuda=False)
         args.report_to = []  # no MLflow run for this check
         trainer = SFTTrainer(model=net, args=args, train_dataset=rows, eval_dataset=rows.select(range(4)), processing_class=tokenizer, data_collator=recipe.collator(settings, tokenizer, cuda=False))
         trainer.train()

@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import ROOT, job_env, run_job, termination_message
 from trainer import memory
+from trainer.config import PRECISIONS
 
 QWEN3_4B = ROOT / "bench" / "qwen3-4b-config.json"
 
@@ -34,7 +35,7 @@ def test_qwen3_4b_needs_16_bytes_per_parameter_before_activations():
     config = _qwen3_4b()
     n = parameter_count(config)
     assert 4.0e9 < n < 4.05e9
-    parts = memory.estimate(config, n, precision="bf16-mixed", sequences_per_pass=1, passes_per_step=8, max_length=2048, checkpoint_every=1)
+    parts = memory.estimate(config, n, precision=PRECISIONS["bf16-mixed"], sequences_per_pass=1, passes_per_step=8, max_length=2048, checkpoint_every=1)
     assert parts["weights"] + parts["gradients"] + parts["optimizer"] == pytest.approx(16 * n)
     assert parts["loss"] < 2e9  # chunked: never (tokens x 151936) logits
 
@@ -45,13 +46,13 @@ def test_bf16_sr_needs_12_bytes_per_parameter_and_10_per_checkpoint():
     config = _qwen3_4b()
     n = parameter_count(config)
     layout = {"sequences_per_pass": 1, "passes_per_step": 8, "max_length": 2048, "checkpoint_every": 1}
-    sr = memory.estimate(config, n, precision="bf16-sr", **layout)
-    mixed = memory.estimate(config, n, precision="bf16-mixed", **layout)
+    sr = memory.estimate(config, n, precision=PRECISIONS["bf16-sr"], **layout)
+    mixed = memory.estimate(config, n, precision=PRECISIONS["bf16-mixed"], **layout)
     assert sr["weights"] + sr["gradients"] + sr["optimizer"] == pytest.approx(12 * n)  # 48 GB instead of 64
     assert "bf16 copies" not in sr and "bf16 copies" in mixed
     assert sum(mixed.values()) - sum(sr.values()) > 5.5 * n
-    assert memory.checkpoint_bytes(n, "bf16-sr") == pytest.approx(10 * n)
-    assert memory.checkpoint_bytes(n, "bf16-mixed") == pytest.approx(12 * n)
+    assert PRECISIONS["bf16-sr"].checkpoint_bytes * n == pytest.approx(10 * n)
+    assert PRECISIONS["bf16-mixed"].checkpoint_bytes * n == pytest.approx(12 * n)
 
 
 MEASURE = textwrap.dedent(
@@ -59,6 +60,7 @@ MEASURE = textwrap.dedent(
     import json, os, sys, threading, time, torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from trainer import memory
+    from trainer.config import PRECISIONS
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=16000, hidden_size=384, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=6,
@@ -91,7 +93,7 @@ MEASURE = textwrap.dedent(
     sampler.join()
     peak = highest[0] - before
     n = sum(p.numel() for p in net.parameters())
-    parts = memory.estimate(config, n, precision="fp32", sequences_per_pass=4, passes_per_step=1, max_length=512, checkpoint_every=every)
+    parts = memory.estimate(config, n, precision=PRECISIONS["fp32"], sequences_per_pass=4, passes_per_step=1, max_length=512, checkpoint_every=every)
     # transformers' own loss (not TRL's chunked one) materialises the full logits, their softmax and gradient
     parts["loss"] = 4 * 512 * 16000 * 4 * 3
     print(json.dumps({"measured": peak, "estimated": sum(parts.values())}))
@@ -113,9 +115,9 @@ def test_estimate_follows_the_measured_peak_on_cpu_for_each_recomputation_policy
 
 def test_plan_uses_one_pass_when_it_fits_and_splits_the_step_when_it_does_not():
     settings, config, n = _settings(), _qwen3_4b(), 4_022_468_096
-    roomy = memory.plan(config, n, settings, "bf16-mixed", 200e9, "auto")
+    roomy = memory.plan(config, n, settings, PRECISIONS["bf16-mixed"], 200e9, "auto")
     assert (roomy.sequences_per_pass, roomy.passes_per_step) == (8, 1)
-    tight = memory.plan(config, n, settings, "bf16-mixed", 85.5e9, "auto")  # an 80 GB H100 reports 81,559 MiB
+    tight = memory.plan(config, n, settings, PRECISIONS["bf16-mixed"], 85.5e9, "auto")  # an 80 GB H100 reports 81,559 MiB
     assert tight.passes_per_step > 1 and tight.checkpointing and tight.fits
 
 
@@ -123,17 +125,17 @@ def test_plan_recomputes_only_as_many_layers_as_the_memory_needs():
     settings, config, n = _settings(), _qwen3_4b(), 4_022_468_096
 
     def one_pass(every):
-        return sum(memory.estimate(config, n, precision="bf16-sr", sequences_per_pass=8, passes_per_step=1, max_length=2048, checkpoint_every=every).values())
+        return sum(memory.estimate(config, n, precision=PRECISIONS["bf16-sr"], sequences_per_pass=8, passes_per_step=1, max_length=2048, checkpoint_every=every).values())
 
     capacity = (one_pass(2) + one_pass(0)) / 2  # recomputing every 2nd layer fits, none does not
-    chosen = memory.plan(config, n, settings, "bf16-sr", capacity, "auto")
+    chosen = memory.plan(config, n, settings, PRECISIONS["bf16-sr"], capacity, "auto")
     assert (chosen.sequences_per_pass, chosen.passes_per_step) == (8, 1) and chosen.fits
     assert 1 < chosen.checkpoint_every < 36 and "selective" in chosen.describe()
     choices = memory.recomputation_choices("auto", 36, limited=True)
     assert one_pass(choices[choices.index(chosen.checkpoint_every) - 1]) > capacity  # recomputing less would not fit
-    assert memory.plan(config, n, settings, "bf16-sr", capacity, "full").checkpoint_every == 1
-    assert memory.plan(config, n, settings, "bf16-sr", capacity, "off").checkpoint_every == 0
-    assert memory.plan(config, n, settings, "bf16-sr", 0.0, "auto").checkpoint_every == 0  # CPU: never
+    assert memory.plan(config, n, settings, PRECISIONS["bf16-sr"], capacity, "full").checkpoint_every == 1
+    assert memory.plan(config, n, settings, PRECISIONS["bf16-sr"], capacity, "off").checkpoint_every == 0
+    assert memory.plan(config, n, settings, PRECISIONS["bf16-sr"], 0.0, "auto").checkpoint_every == 0  # CPU: never
 
 
 @pytest.mark.slow
@@ -149,6 +151,6 @@ def test_preflight_exits_2_naming_the_settings_when_the_gpu_is_too_small(tmp_pat
 
 def test_disk_check_names_the_settings_when_checkpoints_do_not_fit(tmp_path):
     settings = _settings(FT_OUTPUT_DIR=str(tmp_path), FT_MAX_STEPS="1000", FT_SAVE_STEPS="25", FT_EVAL_STEPS="25")
-    problem = memory.check_disk(settings, n_params=10**12, precision="bf16-mixed")  # a 1T model: 12 TB per checkpoint
+    problem = memory.check_disk(settings, n_params=10**12, precision=PRECISIONS["bf16-mixed"])  # a 1T model: 12 TB per checkpoint
     assert problem and "FT_SAVE_TOTAL_LIMIT" in problem and "FT_SAVE_STEPS" in problem
-    assert memory.check_disk(settings, n_params=1000, precision="bf16-mixed") is None
+    assert memory.check_disk(settings, n_params=1000, precision=PRECISIONS["bf16-mixed"]) is None

@@ -12,6 +12,8 @@ import torch
 
 from trainer import model as model_module
 from trainer import recipe, settings
+from trainer.config import PRECISIONS, resolve_precision
+from trainer.errors import ConfigError
 
 STEPS = 6
 
@@ -28,7 +30,7 @@ def train(demo_assets, weights_dtype: torch.dtype, bf16_compute: bool, tmp_path,
 
     config = settings.load({"FT_MODEL": str(demo_assets / "model"), "FT_PLATFORM": "none"} | ({"FT_PRECISION": "bf16-sr"} if sr else {}))
     tokenizer = model_module.load_tokenizer(config)
-    net = model_module.load_model(config, tokenizer)  # the job's loader: fp32 master weights, bf16 with bf16-sr
+    net = model_module.load_model(config, tokenizer, PRECISIONS["bf16-sr" if sr else "fp32"])  # the job's loader: fp32 master weights, bf16 with bf16-sr
     assert all(p.dtype == (torch.bfloat16 if sr else torch.float32) for p in net.parameters())
     net = net.to(weights_dtype)
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
@@ -37,7 +39,7 @@ def train(demo_assets, weights_dtype: torch.dtype, bf16_compute: bool, tmp_path,
                      gradient_accumulation_steps=2, bf16=bf16_compute, use_cpu=True, report_to=[], save_strategy="no",
                      logging_steps=1, seed=42, disable_tqdm=True, activation_checkpointing=False)
     trainer = SFTTrainer(model=net, args=args, train_dataset=rows.select(range(8 * steps)), processing_class=tokenizer,
-                         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs("bf16-sr" if sr else "fp32", args))
+                         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(PRECISIONS["bf16-sr" if sr else "fp32"], args))
     result = trainer.train()
     if evaluate:
         return trainer.evaluate(eval_dataset=rows.select(range(1000, 1128)))["eval_loss"]
@@ -72,9 +74,9 @@ def test_the_seeds_bf16_weights_lose_most_updates(demo_assets, fp32_reference, t
 
 def test_auto_precision_is_bf16_mixed_on_a_bf16_gpu_and_fp32_on_cpu():
     config = settings.load({"FT_PLATFORM": "none"})
-    assert model_module.resolve_precision(config, cuda=True, bf16_supported=True) == "bf16-mixed"
-    assert model_module.resolve_precision(config, cuda=True, bf16_supported=False) == "fp32"
-    assert model_module.resolve_precision(config, cuda=False, bf16_supported=False) == "fp32"
+    assert resolve_precision(config.precision, cuda=True, bf16_supported=True).name == "bf16-mixed"
+    assert resolve_precision(config.precision, cuda=True, bf16_supported=False).name == "fp32"
+    assert resolve_precision(config.precision, cuda=False, bf16_supported=False).name == "fp32"
 
 
 def test_bf16_sr_moves_essentially_every_bf16_weight_and_matches_fp32_loss(demo_assets, fp32_reference, tmp_path):
@@ -104,8 +106,8 @@ def test_bf16_sr_resumed_job_computes_the_same_weights_as_an_uninterrupted_one(d
         args = SFTConfig(output_dir=str(tmp_path / folder), max_steps=4, learning_rate=1e-4, warmup_steps=0, per_device_train_batch_size=4,
                          gradient_accumulation_steps=2, bf16=True, use_cpu=True, report_to=[], save_strategy="steps", save_steps=2,
                          logging_steps=1, seed=42, disable_tqdm=True, activation_checkpointing=False)
-        return SFTTrainer(model=model_module.load_model(config, tokenizer), args=args, train_dataset=rows, processing_class=tokenizer,
-                          optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs("bf16-sr", args))
+        return SFTTrainer(model=model_module.load_model(config, tokenizer, PRECISIONS["bf16-sr"]), args=args, train_dataset=rows, processing_class=tokenizer,
+                          optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(PRECISIONS["bf16-sr"], args))
 
     straight = trainer("straight")
     straight.train()  # 4 steps, leaving checkpoint-2 behind as an interrupted job would
@@ -121,7 +123,7 @@ def test_bf16_sr_resumed_job_computes_the_same_weights_as_an_uninterrupted_one(d
 
 def test_bf16_sr_is_opt_in_and_runs_on_cpu_only_when_asked():
     config = settings.load({"FT_PLATFORM": "none", "FT_PRECISION": "bf16-sr"})
-    assert model_module.resolve_precision(config, cuda=False, bf16_supported=False) == "bf16-sr"
-    assert model_module.resolve_precision(config, cuda=True, bf16_supported=True) == "bf16-sr"
-    with pytest.raises(model_module.ConfigError, match="FT_PRECISION=bf16-sr needs a GPU with bf16"):
-        model_module.resolve_precision(config, cuda=True, bf16_supported=False)
+    assert resolve_precision(config.precision, cuda=False, bf16_supported=False).name == "bf16-sr"
+    assert resolve_precision(config.precision, cuda=True, bf16_supported=True).name == "bf16-sr"
+    with pytest.raises(ConfigError, match="FT_PRECISION=bf16-sr needs a GPU with bf16"):
+        resolve_precision(config.precision, cuda=True, bf16_supported=False)

@@ -14,10 +14,10 @@ import mlflow
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, committed_steps, job_env, run_job, start_job, termination_message, wait_for
+from conftest import ROOT, committed_steps, job_env, run_job, start_job, termination_message, wait_for, with_faults
 
 STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2")
-SLOW = {"FULLTUNE_TEST_SECONDS_PER_STEP": "0.15"}
+SLOW = {"seconds_per_step": "0.15"}  # tests/faults: a signal lands while the (otherwise very fast) demo trains
 
 
 def max_weight_difference(a: Path, b: Path) -> float:
@@ -48,7 +48,7 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     env = job_env(out, **STEPS)
 
     # 1. SIGTERM after the first checkpoint: the job finishes its step, commits, exits 75.
-    job = start_job(env | SLOW, tmp_path / "1.log")
+    job = start_job(with_faults(env, **SLOW), tmp_path / "1.log")
     wait_for(lambda: committed_steps(out) == [10], what="first checkpoint")
     time.sleep(0.5)
     stopped_at = time.monotonic()
@@ -63,7 +63,7 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     assert [r.info.status for r in mlflow_runs(out)] == ["KILLED"]  # metrics flushed, run closed, resumable
 
     # 2. SIGKILL while the step-20 checkpoint is being written (after its files, before its manifest).
-    result = run_job(env | {"FULLTUNE_TEST_KILL_DURING_SAVE_AT_STEP": "20"})
+    result = run_job(with_faults(env, kill_before_commit_at_step=20))
     assert result.returncode == 128 + signal.SIGKILL, result.stdout + result.stderr
     assert (out / "checkpoints" / "checkpoint-20" / "model.safetensors").exists()
     assert 20 not in committed_steps(out)
@@ -72,7 +72,7 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     # 3. A node loss mid-run: the whole process group is SIGKILLed.
     job = subprocess.Popen(
         [sys.executable, str(ROOT / "entrypoint.py")],
-        env=env | SLOW,
+        env=with_faults(env, **SLOW),
         cwd=ROOT,
         start_new_session=True,
         stdout=open(tmp_path / "3.log", "w"),
@@ -109,11 +109,8 @@ def test_resume_across_epoch_boundaries_is_exact(tmp_path):
     assert run_job(job_env(reference, **settings)).returncode == 0
 
     env = job_env(out, **settings)
-    job = start_job(env | SLOW, tmp_path / "1.log")
-    wait_for(lambda: committed_steps(out) == [10], what="first checkpoint")
-    time.sleep(0.5)
-    job.send_signal(signal.SIGTERM)
-    assert job.wait(timeout=60) == 75
+    job = start_job(with_faults(env, sigterm_at_step=13), tmp_path / "1.log")  # epochs end at steps 6, 12, 18, ...
+    assert job.wait(timeout=120) == 75, (tmp_path / "1.log").read_text()
     state = json.loads((out / "checkpoints" / f"checkpoint-{max(committed_steps(out))}" / "trainer_state.json").read_text())
     assert state["epoch"] > 1.5 and state["epoch"] != int(state["epoch"])  # stopped in the middle of epoch 2 or later
     result = run_job(env)
@@ -150,7 +147,7 @@ def test_restart_after_success_exits_0_without_training_or_a_new_run(uninterrupt
 def test_a_stop_that_cannot_finish_in_time_exits_76(tmp_path, second_signal):
     out = tmp_path / "volume"
     env = job_env(out, **STEPS, FT_STOP_DEADLINE_SECONDS="1")
-    job = start_job(env | {"FULLTUNE_TEST_SECONDS_PER_STEP": "4"}, tmp_path / "job.log")  # each step outlasts the deadline
+    job = start_job(with_faults(env, seconds_per_step=4), tmp_path / "job.log")  # each step outlasts the deadline
     wait_for(lambda: "starting from step 0" in (tmp_path / "job.log").read_text(), what="training to start")
     time.sleep(0.5)
     started = time.monotonic()
@@ -167,9 +164,11 @@ def test_a_stop_that_cannot_finish_in_time_exits_76(tmp_path, second_signal):
 def test_a_stop_while_the_training_process_starts_exits_76_without_touching_the_volume(tmp_path):
     out = tmp_path / "volume"
     env = job_env(out, **STEPS)
-    job = start_job(env, tmp_path / "job.log")
-    time.sleep(4)  # entrypoint has validated and started the child, which is still importing torch
+    started = tmp_path / "training-process-started"
+    job = start_job(with_faults(env, hold_start=started), tmp_path / "job.log")  # the child waits before its first import
+    wait_for(started.exists, timeout=60, what="the training process to start")
     job.send_signal(signal.SIGTERM)
-    assert job.wait(timeout=60) in (75, 76), (tmp_path / "job.log").read_text()
+    assert job.wait(timeout=60) == 76, (tmp_path / "job.log").read_text()
     assert committed_steps(out) == []
-    assert "exit 7" in termination_message(env)
+    assert not out.exists(), "nothing is written to the volume before the training process installs its handler"
+    assert "exit 76: stopped by SIGTERM while starting" in termination_message(env)

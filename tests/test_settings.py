@@ -101,7 +101,7 @@ def test_every_error_class_has_a_documented_exit_code():
 
 def test_every_setting_has_help_a_type_and_a_group():
     for s in settings.TABLE:
-        assert s.help and s.group and re.fullmatch(r"[A-Z0-9_]+", s.name), s
+        assert s.help and s.group and re.fullmatch(r"[a-z0-9_]+", s.name) and s.changes in settings.CHANGES, s
 
 
 def test_the_first_line_names_the_detected_platform_and_what_it_filled_in(tmp_path):

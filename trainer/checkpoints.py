@@ -16,19 +16,16 @@ import json
 import os
 import re
 import shutil
-import signal
 import time
 from typing import Any
 
 from transformers import TrainerCallback
 
 from trainer.errors import ConfigError
+from trainer.volume import Volume, read_json, write_json
 
 MANIFEST = "commit.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-# Fault injection for the tests: SIGKILL this process after the checkpoint's files are written and
-# before its manifest is, i.e. provably inside the save.
-KILL_DURING_SAVE = "FULLTUNE_TEST_KILL_DURING_SAVE_AT_STEP"
 
 
 def _fsync_tree(folder: str) -> dict[str, int]:
@@ -46,13 +43,7 @@ def commit(folder: str, step: int) -> None:
     """Flush every file of the checkpoint, then write the manifest that makes it count."""
     sizes = _fsync_tree(folder)
     sizes.pop(MANIFEST, None)
-    if os.environ.get(KILL_DURING_SAVE) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
-    manifest = {"step": step, "files": sizes, "committed_at": time.time()}
-    with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    write_json(os.path.join(folder, MANIFEST), {"step": step, "files": sizes, "committed_at": time.time()})
 
 
 def is_committed(folder: str) -> bool:
@@ -111,20 +102,17 @@ class CommitCheckpoints(TrainerCallback):
 
 # -- What the checkpoints on a volume belong to ------------------------------------------------
 
-FINGERPRINTED = (  # settings that change the computation; cadence and paths do not
-    "model", "model_revision", "dataset", "dataset_config", "dataset_split", "dataset_revision", "eval_dataset",
-    "eval_fraction", "data_format", "bad_rows", "loss_on", "max_length", "truncation", "max_steps", "learning_rate",
-    "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm", "batch_size", "gradient_accumulation_steps", "seed",
-)
 
+def check_fingerprint(config: Any) -> None:
+    """Refuse (exit 2) to resume checkpoints written for a different computation, unless allowed.
 
-def check_fingerprint(settings: Any, state_dir: str, extra: dict[str, str]) -> None:
-    """Refuse (exit 2) to resume checkpoints written for a different computation, unless allowed."""
-    current = {f"FT_{k.upper()}": str(getattr(settings, k)) for k in FINGERPRINTED} | extra
-    path = os.path.join(state_dir, "fingerprint.json")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            recorded = json.load(f)
+    The fingerprint holds every setting whose `changes` flag is set (trainer/settings.py), so a setting
+    that changes the result cannot be forgotten here."""
+    settings = config.settings
+    current = config.fingerprint()
+    path = Volume(settings.output_dir).fingerprint_file
+    recorded = read_json(path)
+    if recorded is not None:
         differences = [f"{k}: {recorded.get(k)!r} on the volume, {v!r} now" for k, v in current.items() if recorded.get(k) != v]
         if differences and not settings.allow_config_change:
             raise ConfigError(
@@ -134,7 +122,4 @@ def check_fingerprint(settings: Any, state_dir: str, extra: dict[str, str]) -> N
             )
         if differences:
             print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
-    os.makedirs(state_dir, exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(current, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(path, current)

@@ -1,7 +1,7 @@
 """Training data, checked before the GPU spins: read, check every row, mask, apply the length policy, cache.
 
     prepared = data.prepare(settings, tokenizer)   # before MLflow: a bad dataset exits 2, leaving only the report
-    data.log_report(prepared.report)               # inside the MLflow run
+    tracking.log(**data.tracked(prepared.report))  # inside the MLflow run
 
 `prepared.train` / `prepared.eval` hold `input_ids` and `labels` (-100 where no loss), which
 SFTTrainer uses as they are (`skip_prepare_dataset`).  The report (FT_OUTPUT_DIR/data-report.txt,
@@ -22,10 +22,10 @@ import shutil
 from typing import Any
 
 from trainer import formats, masking, sources
+from trainer import settings as settings_table
 from trainer.errors import DataError
+from trainer.volume import Volume, read_json, staged
 
-REPORT_FILE = "data-report.txt"
-CACHE_DIR = os.path.join(".fulltune", "data-cache")
 CACHE_VERSION = 1  # bump when the tokenized form changes
 SHOWN = 20  # bad rows listed in messages and the report; all are counted
 CHUNK = 512  # rows tokenized per batch
@@ -62,7 +62,7 @@ def prepare(settings: Any, tokenizer: Any) -> Prepared:
     else:
         eval_source = None
     key = _fingerprint(settings, tokenizer, train_source, eval_source)
-    cache = os.path.join(settings.output_dir, CACHE_DIR, key)
+    cache = os.path.join(Volume(settings.output_dir).data_cache, key)
     if settings.data_cache and os.path.exists(os.path.join(cache, "report.json")):
         return _from_cache(cache)
     print(f"fulltune: data: checking and tokenizing {train_source.name}" + (f" and {eval_source.name}" if eval_source else ""), flush=True)
@@ -226,7 +226,7 @@ def report_text(report: dict) -> str:
 
 def _write_report(settings: Any, report: dict) -> str:
     os.makedirs(settings.output_dir, exist_ok=True)
-    path = os.path.join(settings.output_dir, REPORT_FILE)
+    path = Volume(settings.output_dir).data_report
     with open(path, "w", encoding="utf-8") as f:
         f.write(report_text(report))
     print("fulltune: data: " + report_text(report).rstrip().replace("\n", "\nfulltune: data: "), flush=True)
@@ -240,12 +240,9 @@ def _fail(settings: Any, report: dict, why: str) -> None:
     raise DataError("\n".join([f"{why}" + (f" ({counts})" if counts else ""), *shown, f"  full report: {path}"]))
 
 
-def log_report(report: dict) -> None:
-    """Log the data report into the active MLflow run: tags, metrics, and the report and example as artifacts."""
-    import mlflow
-
+def tracked(report: dict) -> dict[str, Any]:
+    """The data report as the job's MLflow run shows it (tracking.log): tags, metrics, and the report and example."""
     train = report["sources"]["train"]
-    mlflow.set_tags({"data_format": report["format"], "data_mask": report["mask"], "data_fingerprint": report["fingerprint"]})
     metrics = {
         "data_train_rows": report["rows"]["train"],
         "data_eval_rows": report["rows"]["eval"],
@@ -257,10 +254,11 @@ def log_report(report: dict) -> None:
     }
     metrics |= {f"data_tokens_{k}": v for k, v in report["token_lengths"].items()}
     metrics |= {f"data_skipped_{reason.replace(' ', '_')}": n for reason, n in train["bad_by_reason"].items()}
-    mlflow.log_metrics(metrics)
-    mlflow.log_dict(report, "data/report.json")
-    mlflow.log_text(report_text(report), "data/report.txt")
-    mlflow.log_text(report["example"], "data/example.txt")
+    return {
+        "tags": {"data_format": report["format"], "data_mask": report["mask"], "data_fingerprint": report["fingerprint"]},
+        "metrics": metrics,
+        "artifacts": {"data/report.json": report, "data/report.txt": report_text(report), "data/example.txt": report["example"]},
+    }
 
 
 def _fingerprint(settings: Any, tokenizer: Any, train: sources.Source, evaluation: sources.Source | None) -> str:
@@ -275,25 +273,22 @@ def _fingerprint(settings: Any, tokenizer: Any, train: sources.Source, evaluatio
         "tokenizer": hashlib.sha256(vocabulary.encode()).hexdigest(),
         "template": template,
         "eos": tokenizer.eos_token,
-        "settings": {name: getattr(settings, name) for name in ("data_format", "bad_rows", "loss_on", "max_length", "truncation", "eval_fraction", "seed")},
+        "settings": settings_table.changing(settings, ("data",)),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _save_cache(cache: str, train: Any, evaluation: Any | None, report: dict) -> None:
-    """Write <cache>.partial, then rename it: a cache folder with report.json is complete.  Older entries go."""
+    """Build the entry aside and rename it into place: a cache folder with report.json is complete.  Older entries go."""
     import datasets
 
     datasets.disable_progress_bars()
-    partial = cache + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    train.save_to_disk(os.path.join(partial, "train"))
-    if evaluation is not None:
-        evaluation.save_to_disk(os.path.join(partial, "eval"))
-    with open(os.path.join(partial, "report.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1, ensure_ascii=False)
-    shutil.rmtree(cache, ignore_errors=True)
-    os.replace(partial, cache)
+    with staged(cache) as partial:
+        train.save_to_disk(os.path.join(partial, "train"))
+        if evaluation is not None:
+            evaluation.save_to_disk(os.path.join(partial, "eval"))
+        with open(os.path.join(partial, "report.json"), "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1, ensure_ascii=False)
     root = os.path.dirname(cache)
     for other in os.listdir(root):
         if other != os.path.basename(cache):
@@ -303,8 +298,7 @@ def _save_cache(cache: str, train: Any, evaluation: Any | None, report: dict) ->
 def _from_cache(cache: str) -> Prepared:
     import datasets
 
-    with open(os.path.join(cache, "report.json"), encoding="utf-8") as f:
-        report = json.load(f)
+    report = read_json(os.path.join(cache, "report.json"))
     train = datasets.load_from_disk(os.path.join(cache, "train"))
     evaluation = datasets.load_from_disk(os.path.join(cache, "eval")) if os.path.isdir(os.path.join(cache, "eval")) else None
     print(f"fulltune: data: reusing the checked, tokenized data in {cache} ({len(train)} train rows): no re-tokenization", flush=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import tempfile
+
+from trainer.volume import Volume, staged
 
 WORDS = (
     "apple river stone cloud tiger maple ocean piano rocket silver garden winter "
@@ -83,23 +83,20 @@ def build_model(vocab_size: int, pad_token_id: int, eos_token_id: int):
 
 
 def ensure_demo(output_dir: str, rows: int = 2000) -> str:
-    """Build <output_dir>/demo once (model, tokenizer, data/train.jsonl); later calls reuse it."""
-    demo = os.path.join(output_dir, "demo")
+    """Build the volume's demo folder once (model, tokenizer, data/train.jsonl); later calls reuse it."""
+    demo = Volume(output_dir).demo
     if os.path.exists(os.path.join(demo, "COMPLETE")):
         return demo
-    os.makedirs(output_dir, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".demo-", dir=output_dir)
     data = conversations(rows, seed=1234)
     texts = [m["content"] for row in data for m in row["messages"]]
     tokenizer = build_tokenizer(texts + ["system user assistant"])
     model = build_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
-    model.save_pretrained(os.path.join(staging, "model"))
-    tokenizer.save_pretrained(os.path.join(staging, "model"))
-    os.makedirs(os.path.join(staging, "data"))
-    with open(os.path.join(staging, "data", "train.jsonl"), "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(row) + "\n" for row in data)
-    with open(os.path.join(staging, "COMPLETE"), "w") as f:
-        f.write("ok\n")
-    shutil.rmtree(demo, ignore_errors=True)  # a half-built demo from an interrupted start
-    os.rename(staging, demo)
+    with staged(demo) as partial:  # a half-built demo from an interrupted start is rebuilt
+        model.save_pretrained(os.path.join(partial, "model"))
+        tokenizer.save_pretrained(os.path.join(partial, "model"))
+        os.makedirs(os.path.join(partial, "data"))
+        with open(os.path.join(partial, "data", "train.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in data)
+        with open(os.path.join(partial, "COMPLETE"), "w") as f:
+            f.write("ok\n")
     return demo

@@ -71,6 +71,12 @@ class StopAbandoned(FulltuneError):
 
 
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+_termination_path: str | None = None  # FT_TERMINATION_MESSAGE_PATH once the settings are parsed
+
+
+def set_termination_message_path(path: str) -> None:
+    global _termination_path
+    _termination_path = path
 
 
 def termination_message_path() -> str | None:
@@ -78,8 +84,9 @@ def termination_message_path() -> str | None:
 
     The default is used only where it exists (Kubernetes mounts it into every container), so a run
     on a laptop as root does not create a file under /dev.  An explicit path is always written.
+    Before the settings are parsed (their own errors), the raw variable is the only source.
     """
-    path = os.environ.get("FT_TERMINATION_MESSAGE_PATH", DEFAULT_TERMINATION_LOG)
+    path = _termination_path if _termination_path is not None else os.environ.get("FT_TERMINATION_MESSAGE_PATH", DEFAULT_TERMINATION_LOG)
     if path == DEFAULT_TERMINATION_LOG and not os.path.exists(path):
         return None
     return path or None

@@ -1,99 +1,98 @@
-"""The job, top to bottom: plan, data, model, train (resuming), save, register."""
+"""The job, top to bottom: plan, data, model, train (resuming), save, register.
+
+    entrypoint.py (settings parsed once) -> launch.py (accelerate) -> python -m trainer -> main() -> run(config)
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import sys
 from typing import Any
 
 from trainer import checkpoints, data, demo, memory, model, preemption, progress, recipe, tracking
-from trainer import settings as settings_table
+from trainer import config as job_config
+from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for
+from trainer.volume import Volume, staged
 
-STATE = ".fulltune"
 
-
-def run(settings: Any) -> None:
+def run(config: Config) -> None:
+    settings = config.settings
     stopper = preemption.StopOnSignal(settings.stop_deadline_seconds)  # first: a stop during loading is seen
-    state_dir = os.path.join(settings.output_dir, STATE)
-    final_dir = os.path.join(settings.output_dir, "final")
-    run_name = settings.run_name or f"{settings.model.rstrip('/')}_full-fine-tuning"
-    status = _read_status(state_dir)
-    if status.get("registered") or (status.get("final_model") and not settings.registered_model):
-        print(f"fulltune: this job already finished ({status.get('registered') or status['final_model']}): nothing to do", flush=True)
+    volume = Volume(settings.output_dir)
+    status = volume.status()
+    if done := status.done(registering=bool(settings.registered_model)):
+        print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
-    if status.get("final_model"):  # trained and saved by an earlier attempt whose registration failed (exit 3)
+    if status.final_model:  # trained and saved by an earlier attempt whose registration failed (exit 3)
         tracking.configure(settings)
-        with tracking.job_run(settings, run_name) as run:
-            _register(settings, state_dir, final_dir, run)
+        with tracking.job_run(config):
+            _register(config, volume, status.metadata)
         return
 
-    import torch
-
-    cuda = torch.cuda.is_available()
-    precision = model.resolve_precision(settings, cuda, cuda and torch.cuda.is_bf16_supported())
     if settings.preset == "demo":
         demo.ensure_demo(settings.output_dir)
-    plan = memory.preflight(settings, precision, cuda)  # from config.json alone: exit 2 before weights or data are downloaded
+    plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
     tokenizer = model.load_tokenizer(settings)
     prepared = data.prepare(settings, tokenizer)  # every row checked and tokenized; exit 2 before anything else is written
-    checkpoints.check_fingerprint(settings, state_dir, {"precision": precision})
-    _print_plan(settings, precision, len(prepared.train), prepared.eval)
+    checkpoints.check_fingerprint(config)
+    _print_plan(config, prepared)
     tracking.configure(settings)
-    with tracking.job_run(settings, run_name) as run:
-        data.log_report(prepared.report)
-        trained = _train(settings, tokenizer, prepared.train, prepared.eval, precision, plan, cuda, stopper)
-        metadata = _save_final(settings, trained, tokenizer, final_dir, precision)
-        _write_status(state_dir, final_model=final_dir, metadata=metadata)
-        print(f"fulltune: final model: {final_dir}/model (transformers) and {final_dir} (MLflow model)", flush=True)
-        _register(settings, state_dir, final_dir, run)
+    with tracking.job_run(config):
+        tracking.log(**data.tracked(prepared.report))
+        trained = train(config, tokenizer, prepared, plan, stopper)
+        metadata = save_final(config, trained, tokenizer, volume)
+        volume.mark_saved(metadata)
+        print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
+        _register(config, volume, metadata)
 
 
-def _register(settings, state_dir: str, final_dir: str, run: Any) -> None:
-    if not settings.registered_model:
-        return
-    version = tracking.register(settings, final_dir, _read_status(state_dir)["metadata"])
-    _write_status(state_dir, registered=version)
-    print(f"fulltune: registered {version} (run {run.info.run_id})", flush=True)
+def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, net: Any = None, callbacks: tuple = ()) -> Any:
+    """The job's SFTTrainer for a configuration (bench/ measures exactly this one).
 
-
-def _train(settings, tokenizer, train_rows, eval_rows, precision, plan, cuda, stopper) -> Any:
+    `net`: an already built model instead of loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
+    """
     from trl import SFTTrainer
 
-    checkpoint_dir = os.path.join(settings.output_dir, "checkpoints")
-    resume = checkpoints.latest_for_resume(checkpoint_dir, os.path.join(settings.output_dir, "incomplete"))
-    if stopper.requested:
-        raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-    net = recipe.prepare_model(model.load_model(settings, tokenizer), settings, cuda)
-    args = recipe.sft_config(settings, precision, plan, cuda)
-    trainer = SFTTrainer(
+    settings, cuda = config.settings, config.cuda
+    net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
+    args = recipe.sft_config(settings, config.precision, plan, cuda)
+    sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
+    return SFTTrainer(
         model=net,
         args=args,
-        optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(precision, args),
+        optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
         data_collator=recipe.collator(settings, tokenizer, cuda),
-        train_dataset=train_rows,
-        eval_dataset=recipe.eval_rows(settings, eval_rows),
+        train_dataset=prepared.train,
+        eval_dataset=recipe.eval_rows(settings, prepared.eval),
         processing_class=tokenizer,
-        callbacks=[checkpoints.CommitCheckpoints(settings.save_total_limit), stopper, progress.Progress(net.config, net.num_parameters(), settings.batch_size * settings.gradient_accumulation_steps, cuda)],
+        callbacks=[
+            checkpoints.CommitCheckpoints(settings.save_total_limit),
+            *callbacks,
+            tracking.MetricsCallback(),
+            progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda),
+        ],
     )
+
+
+def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal) -> Any:
+    """Train from the newest committed checkpoint (or step 0); return the best model.  A stop raises Preempted."""
+    volume = Volume(config.settings.output_dir)
+    resume = checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete)
+    if stopper.requested:
+        raise Preempted("stopped before training started; the committed checkpoints are unchanged")
+    trainer = build_trainer(config, tokenizer, prepared, plan, callbacks=(stopper,))
     print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
     trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
-        raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {checkpoint_dir}")
+        raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
     return trainer.model
 
 
-def _save_final(settings, net, tokenizer, final_dir: str, precision: str) -> dict[str, str]:
-    """Save the best model once, as an MLflow transformers model whose `model/` folder is also a
-    plain transformers folder (weights + tokenizer), so serving and the registry share one copy."""
-    import mlflow
-    import torch
-
-    if precision in ("bf16-mixed", "bf16-sr"):
-        net = net.to(torch.bfloat16)  # serving weights: half the size of the fp32 master copy (bf16-sr: already bf16)
+def save_final(config: Config, net: Any, tokenizer: Any, volume: Volume) -> dict[str, str]:
+    """Save the best model once, in its serving precision, as an MLflow transformers model (tracking.save_model)."""
+    net = net.to(config.precision.dtype("serving"))  # bf16 after bf16 training: half the size of the fp32 master copy
     n_params = sum(p.numel() for p in net.parameters())
+    settings = config.settings
     metadata = {
         "task": "llm/v1/chat",
         "pretrained_model_name": settings.model if settings.preset != "demo" else "fulltune-demo-tiny-qwen3",
@@ -101,64 +100,40 @@ def _save_final(settings, net, tokenizer, final_dir: str, precision: str) -> dic
         "model_size_parameters": model.describe_size(n_params),
         "parameter_count": str(n_params),
     }
-    partial = final_dir + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    mlflow.transformers.save_model(
-        transformers_model={"model": net, "tokenizer": tokenizer},
-        path=partial,
-        task="llm/v1/chat",
-        metadata=metadata,
-        pip_requirements=_serving_requirements(),
-    )
-    tokenizer.save_pretrained(os.path.join(partial, "model"))
-    shutil.rmtree(final_dir, ignore_errors=True)
-    os.replace(partial, final_dir)
-    mlflow.log_dict(metadata, "model_metadata.json")
+    with staged(volume.final) as partial:
+        tracking.save_model(net, tokenizer, partial, metadata)
     return metadata
 
 
-def _serving_requirements() -> list[str]:
-    """Pin what serving needs; without this, log_model infers extras such as torchvision."""
-    from importlib.metadata import version
+def _register(config: Config, volume: Volume, metadata: dict[str, str]) -> None:
+    if not config.settings.registered_model:
+        return
+    version = tracking.register(config.settings, volume.final, metadata)
+    volume.mark_registered(version)
+    print(f"fulltune: registered {version}", flush=True)
 
-    return [f"{name}=={version(name)}" for name in ("mlflow", "torch", "transformers", "accelerate", "safetensors", "tokenizers")]
 
-
-def _print_plan(settings, precision, n_train, eval_rows) -> None:
+def _print_plan(config: Config, prepared: data.Prepared) -> None:
     """What a user would otherwise work out by hand, printed once."""
+    settings = config.settings
     effective = settings.batch_size * settings.gradient_accumulation_steps
+    n_train, n_eval = len(prepared.train), len(prepared.eval) if prepared.eval is not None else 0
     print(
         "fulltune: plan\n"
-        f"  model {settings.model} ({precision}), data {settings.dataset}: {n_train} train / {len(eval_rows) if eval_rows is not None else 0} validation rows\n"
+        f"  model {settings.model} ({config.precision.name}), data {settings.dataset}: {n_train} train / {n_eval} validation rows\n"
         f"  {settings.max_steps} steps x effective batch {effective} ({settings.batch_size} x {settings.gradient_accumulation_steps} accumulation)"
         f" = {settings.max_steps * effective} sequences, {settings.max_steps * effective / max(n_train, 1):.2f} epochs,"
         f" up to {effective * settings.max_length} tokens per step\n"
         f"  eval every {settings.eval_steps} steps, checkpoint every {settings.save_steps} steps (keep {settings.save_total_limit} + best)"
-        f" in {os.path.join(settings.output_dir, 'checkpoints')}",
+        f" in {Volume(settings.output_dir).checkpoints}",
         flush=True,
     )
 
 
-def _read_status(state_dir: str) -> dict:
-    path = os.path.join(state_dir, "status.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _write_status(state_dir: str, **fields: Any) -> None:
-    status = _read_status(state_dir) | fields
-    os.makedirs(state_dir, exist_ok=True)
-    with open(os.path.join(state_dir, "status.json.tmp"), "w", encoding="utf-8") as f:
-        json.dump(status, f, indent=1)
-    os.replace(os.path.join(state_dir, "status.json.tmp"), os.path.join(state_dir, "status.json"))
-
-
 def main() -> int:
-    """Entry of the training process: run the job and turn its outcome into the documented exit code."""
+    """Entry of the training process: run the job entrypoint.py configured, and turn its outcome into the exit code."""
     try:
-        run(settings_table.load(os.environ))
+        run(job_config.handed_over())
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code
         if isinstance(error, SystemExit):
             raise

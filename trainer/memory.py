@@ -31,7 +31,9 @@ import os
 import shutil
 from typing import Any
 
+from trainer.config import Precision
 from trainer.errors import ConfigError
+from trainer.volume import Volume
 
 GB = 1e9
 TOLERANCE = 0.15  # allowed error against measured peaks; measured -7 % to +5 % on CPU across recomputation policies (bench/RESULTS.md)
@@ -120,31 +122,29 @@ def saved_per_token(layers: int, layer_input: float, per_layer: float, every: in
     return max(end_of_forward, (kept_below_highest + RECOMPUTE_IN_FLIGHT) * per_layer + recomputed * layer_input)
 
 
-def estimate(config: Any, n_params: int, *, precision: str, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int) -> dict[str, float]:
+def estimate(config: Any, n_params: int, *, precision: Precision, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int) -> dict[str, float]:
     """Peak bytes by component for one configuration (see the module docstring); `checkpoint_every` as in Plan."""
     s = shape(config)
-    mixed = precision == "bf16-mixed"
-    bf16 = precision in ("bf16-mixed", "bf16-sr")
-    act = 2 if bf16 else 4
+    act = 2 if precision.bf16 else 4
     tokens = sequences_per_pass * max_length
     per_layer = layer_bytes_per_token(s, act)
     activations = tokens * saved_per_token(s["layers"], 4 * s["hidden"], per_layer, checkpoint_every)
     activations += tokens * 4 * s["hidden"] * 3  # embeddings output, final norm, its gradient
     breakdown = {
-        "weights": (2.0 if precision == "bf16-sr" else 4.0) * n_params,
-        "gradients": (2.0 if precision == "bf16-sr" else 4.0) * n_params,
-        "optimizer": 8.0 * n_params,
+        "weights": float(precision.weight_bytes * n_params),
+        "gradients": float(precision.gradient_bytes * n_params),
+        "optimizer": float(precision.optimizer_bytes * n_params),
     }
-    if mixed and (checkpoint_every != 1 or passes_per_step > 1):
+    if precision.autocast_copies and (checkpoint_every != 1 or passes_per_step > 1):
         breakdown["bf16 copies"] = 2.0 * n_params
     breakdown["activations"] = float(activations)
     breakdown["loss"] = float(min(tokens, LOSS_TILE_TOKENS) * min(s["vocab"], LOSS_TILE_VOCAB) * 4 * 3)
-    if bf16:  # only on GPU (bf16-sr on CPU: a small overestimate): CUDA context and allocator slack
+    if precision.bf16:  # only on GPU (bf16-sr on CPU: a small overestimate): CUDA context and allocator slack
         breakdown["workspace"] = 2**30 + 0.05 * sum(breakdown.values())
     return breakdown
 
 
-def plan(config: Any, n_params: int, settings: Any, precision: str, capacity: float, checkpointing: str) -> Plan:
+def plan(config: Any, n_params: int, settings: Any, precision: Precision, capacity: float, checkpointing: str) -> Plan:
     """Fewest forward passes per step, then the least recomputation, that fit `capacity` (0 = no limit).
 
     `checkpointing` is FT_ACTIVATION_CHECKPOINTING; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
@@ -179,7 +179,7 @@ def recomputation_choices(policy: str, layers: int, limited: bool) -> list[int]:
     }[policy]
 
 
-def _fixes(config: Any, n_params: int, settings: Any, precision: str, capacity: float) -> list[str]:
+def _fixes(config: Any, n_params: int, settings: Any, precision: Precision, capacity: float) -> list[str]:
     """Settings that would make the job fit, each checked against the same estimate."""
     fixes = []
     for length in (settings.max_length // 2, settings.max_length // 4):
@@ -190,7 +190,7 @@ def _fixes(config: Any, n_params: int, settings: Any, precision: str, capacity: 
     if plan(config, n_params, one, precision, capacity, "full").fits:
         fixes.append(f"FT_BATCH_SIZE=1 FT_GRADIENT_ACCUMULATION_STEPS={one.gradient_accumulation_steps} FT_BATCH_LAYOUT=as-set FT_ACTIVATION_CHECKPOINTING=full")
     if not fixes:
-        per_param = 12 if precision == "bf16-sr" else 16
+        per_param = precision.training_bytes
         fixes.append(f"a GPU with more memory: weights, gradients and AdamW states alone take {per_param * n_params / GB:.0f} GB ({per_param} B/param)")
     return fixes
 
@@ -205,41 +205,38 @@ def device_capacity(settings: Any, cuda: bool) -> float:
     return float(torch.cuda.get_device_properties(0).total_memory)
 
 
-def checkpoint_bytes(n_params: int, precision: str = "fp32") -> float:
-    """Weights (fp32 4 B/param, bf16-sr 2) + fp32 AdamW states (8 B/param); fp32: measured 3.0x the weights file."""
-    return (10.0 if precision == "bf16-sr" else 12.0) * n_params
-
-
-def check_disk(settings: Any, n_params: int, precision: str) -> str | None:
+def check_disk(settings: Any, n_params: int, precision: Precision) -> str | None:
     """None when the volume has room for the retained checkpoints and the final model, else the problem."""
     folder = os.path.abspath(settings.output_dir)
     while not os.path.exists(folder):
         folder = os.path.dirname(folder)
     free = shutil.disk_usage(folder).free
-    checkpoint_dir = os.path.join(settings.output_dir, "checkpoints")
+    checkpoint_dir = Volume(settings.output_dir).checkpoints
     existing = sum(1 for n in os.listdir(checkpoint_dir) if n.startswith("checkpoint-")) if os.path.isdir(checkpoint_dir) else 0
     steps_saved = settings.max_steps // settings.save_steps
     retained = min(settings.save_total_limit + 2, steps_saved)  # + the best + the one written before rotation
     new = max(retained - existing, 0)
-    final = (2 if precision in ("bf16-mixed", "bf16-sr") else 4) * n_params
-    need = new * checkpoint_bytes(n_params, precision) + final
+    final = precision.serving_bytes * n_params
+    checkpoint = precision.checkpoint_bytes * n_params
+    need = new * checkpoint + final
     if need <= free:
         return None
     return (
         f"the volume at {folder} has {free / GB:.1f} GB free; this job needs ~{need / GB:.1f} GB: {new} more checkpoint(s) of "
-        f"{checkpoint_bytes(n_params, precision) / GB:.1f} GB ({'bf16' if precision == 'bf16-sr' else 'fp32'} weights + AdamW states; FT_SAVE_TOTAL_LIMIT={settings.save_total_limit} + the best "
+        f"{checkpoint / GB:.1f} GB ({'bf16' if precision.weight_bytes == 2 else 'fp32'} weights + AdamW states; FT_SAVE_TOTAL_LIMIT={settings.save_total_limit} + the best "
         f"+ the one being written) and the final model ({final / GB:.1f} GB). Lower FT_SAVE_TOTAL_LIMIT, raise FT_SAVE_STEPS, "
         "or mount a larger FT_OUTPUT_DIR volume."
     )
 
 
-def preflight(settings: Any, precision: str, cuda: bool) -> Plan:
+def preflight(job: Any) -> Plan:
     """Plan passes and recomputation from the model config, then check GPU memory and disk space.
 
     Raises ConfigError (exit 2) when either does not fit and FT_PREFLIGHT=fail.
     """
     from trainer import model
 
+    settings, precision, cuda = job.settings, job.precision, job.cuda
     config = model.read_config(settings)
     n_params = model.parameter_count(config)
     capacity = device_capacity(settings, cuda)

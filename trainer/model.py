@@ -1,4 +1,4 @@
-"""Tokenizer and model: loading, chat template, padding, and the precision policy."""
+"""Tokenizer and model: loading, chat template, padding, and what the model is (family, size)."""
 
 from __future__ import annotations
 
@@ -15,26 +15,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def resolve_precision(settings: Any, cuda: bool, bf16_supported: bool) -> str:
-    """`fp32`, `bf16-mixed` or (opt-in) `bf16-sr`.  AdamW states always stay fp32.
-
-    The seed notebook loaded bf16 weights and let AdamW update them in place: at lr 2e-5 most
-    updates are below bf16's resolution and are lost.  bf16-mixed keeps fp32 master weights and
-    runs the matmuls in bf16 autocast (16 B/param: 64 GB for Qwen3-4B before activations).
-    bf16-sr keeps bf16 weights and gradients and writes each update back with stochastic rounding
-    (trainer/optim.py; 12 B/param: 48 GB).
-    """
-    if settings.precision == "auto":
-        return "bf16-mixed" if cuda and bf16_supported else "fp32"
-    if settings.precision == "bf16-mixed" and not (cuda and bf16_supported):
-        raise ConfigError("FT_PRECISION=bf16-mixed needs a GPU with bf16 support; use auto or fp32 on this machine")
-    if settings.precision == "bf16-sr" and cuda and not bf16_supported:
-        raise ConfigError("FT_PRECISION=bf16-sr needs a GPU with bf16 support; use auto or fp32 on this GPU")
-    if settings.precision == "bf16-sr" and not cuda:
-        print("fulltune: warning: FT_PRECISION=bf16-sr on CPU: bf16 is several times slower than fp32 there", flush=True)
-    return settings.precision
 
 
 def hub_kwargs(settings: Any) -> dict[str, Any]:
@@ -71,14 +51,12 @@ def load_tokenizer(settings: Any) -> Any:
     return tokenizer
 
 
-def load_model(settings: Any, tokenizer: Any) -> Any:
-    """Load the weights in fp32 (bf16 with FT_PRECISION=bf16-sr; see resolve_precision) and fit the
-    embeddings to the tokenizer."""
-    import torch
+def load_model(settings: Any, tokenizer: Any, precision: Any) -> Any:
+    """Load the weights in the precision's weight dtype (fp32 master weights, or bf16 with FT_PRECISION=bf16-sr;
+    see trainer/config.py) and fit the embeddings to the tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if settings.precision == "bf16-sr" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype, **hub_kwargs(settings))
+    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=precision.dtype(), **hub_kwargs(settings))
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # ChatML tokens were added
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
     model.config.pad_token_id = tokenizer.pad_token_id

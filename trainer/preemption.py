@@ -17,10 +17,6 @@ from transformers import TrainerCallback
 
 from trainer.errors import StopAbandoned, write_termination_message
 
-# Fault injection for the tests: seconds to sleep after each optimizer step, so that a signal sent
-# by a test reliably lands while the (otherwise very fast) demo job is still training.
-SLOW_STEPS = "FULLTUNE_TEST_SECONDS_PER_STEP"
-
 
 class StopOnSignal(TrainerCallback):
     """The first signal requests a save at the next step boundary; a second one, or the deadline, exits 76."""
@@ -53,8 +49,6 @@ class StopOnSignal(TrainerCallback):
         os._exit(code)  # from a signal handler or timer thread: no clean-up can be trusted to finish in time
 
     def on_step_end(self, args, state, control, **kwargs):
-        if os.environ.get(SLOW_STEPS):
-            time.sleep(float(os.environ[SLOW_STEPS]))
         if self.requested:
             control.should_save = True
             control.should_evaluate = False

@@ -19,6 +19,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer import tracking
+
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
 
 
@@ -61,8 +63,8 @@ def memory_gb(cuda: bool) -> float:
 class Progress(TrainerCallback):
     """Print the progress line at every logging step and log its numbers to the active MLflow run.
 
-    Registered after transformers' MLflowCallback (Trainer puts user callbacks last), so it logs its
-    own metrics rather than adding keys to `logs`.
+    Its numbers go to the job's run through tracking.log_metrics (the Trainer's own `logs` are logged by
+    tracking.MetricsCallback).
     """
 
     def __init__(self, config: Any, n_params: int, sequences_per_step: int, cuda: bool):
@@ -114,14 +116,5 @@ class Progress(TrainerCallback):
             "eta_s": eta,
         }
         print(format_line(values), flush=True)
-        self._to_mlflow({k: v for k, v in values.items() if k in ("tokens_per_s", "mfu", "mem_gb", "eta_s") and v is not None}, state.global_step)
+        tracking.log_metrics({k: v for k, v in values.items() if k in ("tokens_per_s", "mfu", "mem_gb", "eta_s") and v is not None}, state.global_step)
         self.last_tokens, self.last_step, self.step_time = float(logs["num_tokens"]), state.global_step, 0.0
-
-    @staticmethod
-    def _to_mlflow(metrics: dict[str, float], step: int) -> None:
-        if "mlflow" not in sys.modules:
-            return
-        import mlflow
-
-        if mlflow.active_run() is not None:
-            mlflow.log_metrics(metrics, step=step)

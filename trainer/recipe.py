@@ -15,15 +15,16 @@ Where we differ from the notebook on purpose:
 - padding-free passes (`FT_PADDING_FREE`) through our per-sequence attention (trainer/attention.py);
 - fused AdamW on GPU (`FT_OPTIMIZER`), optional `torch.compile` (`FT_COMPILE`) and Liger kernels (`FT_LIGER`);
 - retention is done by checkpoints.CommitCheckpoints (`save_total_limit` is left unset here);
-- `report_to="mlflow"` logs into the run tracking.start_run opened (one run per job).
+- `report_to="none"`: tracking.MetricsCallback logs the Trainer's metrics into the job's one MLflow run.
 
 The loss never materialises the full (tokens x vocabulary) logits: TRL 1.16 computes it in chunks.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from trainer.volume import Volume
 
 
 def padding_free(settings: Any, cuda: bool) -> bool:
@@ -38,11 +39,11 @@ def optimizer(settings: Any, cuda: bool) -> str:
     return settings.optimizer
 
 
-def optimizer_cls_and_kwargs(precision: str, args: Any) -> Any:
+def optimizer_cls_and_kwargs(precision: Any, args: Any) -> Any:
     """For bf16-sr, our AdamW (trainer/optim.py) for the Trainer to build, so it still makes the weight-decay
     groups and the scheduler and saves/loads the optimizer state (with the rounding generator) in checkpoints;
     else None (`optim` decides)."""
-    if precision != "bf16-sr":
+    if not precision.stochastic_rounding:
         return None
     from trainer.optim import StochasticRoundingAdamW
 
@@ -78,12 +79,12 @@ def eval_rows(settings: Any, rows: Any) -> Any:
     return rows.select(range(settings.eval_max_samples))
 
 
-def sft_config(settings: Any, precision: str, plan: Any, cuda: bool) -> Any:
+def sft_config(settings: Any, precision: Any, plan: Any, cuda: bool) -> Any:
     """`plan` (trainer.memory.Plan) gives the passes per step and which layers recompute their activations."""
     from trl import SFTConfig
 
     return SFTConfig(
-        output_dir=os.path.join(settings.output_dir, "checkpoints"),
+        output_dir=Volume(settings.output_dir).checkpoints,
         # -- batch and schedule
         per_device_train_batch_size=plan.sequences_per_pass,
         per_device_eval_batch_size=max(settings.eval_batch_size, plan.sequences_per_pass if settings.batch_layout == "auto" else 1),
@@ -106,7 +107,7 @@ def sft_config(settings: Any, precision: str, plan: Any, cuda: bool) -> Any:
         metric_for_best_model="eval_loss",
         greater_is_better=False,
         load_best_model_at_end=True,
-        report_to=["mlflow"],
+        report_to="none",  # tracking.MetricsCallback logs into the job's one run
         # -- data
         # data.prepare() already checked, tokenized, masked (labels -100) and applied FT_MAX_LENGTH/FT_TRUNCATION
         max_length=settings.max_length,
@@ -117,7 +118,7 @@ def sft_config(settings: Any, precision: str, plan: Any, cuda: bool) -> Any:
         dataloader_num_workers=settings.dataloader_workers,
         dataloader_persistent_workers=settings.dataloader_workers > 0,
         # -- precision, memory and speed
-        bf16=precision in ("bf16-mixed", "bf16-sr"),  # bf16-sr: the weights are bf16 already; autocast changes nothing
+        bf16=precision.bf16,  # bf16-sr: the weights are bf16 already; autocast changes nothing
         fp16=False,
         use_cpu=not cuda,
         activation_checkpointing=plan.checkpointing,

@@ -1,22 +1,35 @@
-"""MLflow: one run per job (kept across restarts), its parameters, and the model registry.
+"""MLflow, and nothing else imports it: one run per job (kept across restarts), its parameters, metrics and
+artifacts, the saved model, and the model registry.
+
+    configure(settings)                 # the server, or the embedded store on the volume
+    with job_run(config) as run:        # FINISHED, KILLED (stopped: a restart continues it) or FAILED
+        log_metrics({...}, step)        # also what MetricsCallback sends at each Trainer log
+        log(tags=..., metrics=..., artifacts={"data/report.json": report})
+        save_model(net, tokenizer, volume.final, metadata)
+        register(settings, volume.final, metadata)
 
 With no MLFLOW_TRACKING_URI, tracking and the registry live in a SQLite file on the output volume,
 so a job needs no server and a restart finds its run again.  The run id is stored on the volume:
-the transformers MLflowCallback would start a new run on every restart (transformers #30563).
+the transformers MLflowCallback would start a new run on every restart (transformers #30563), and it
+logs every TrainingArguments field as a param; `MetricsCallback` replaces it (the job sets
+`report_to="none"`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
+from transformers import TrainerCallback
+
 from trainer import settings as settings_table
 from trainer.errors import ConfigError, Preempted, RegistrationFailed
+from trainer.volume import Volume, read_json, write_json
 
-RUN_FILE = os.path.join(".fulltune", "mlflow_run.json")
+_open_runs: list[str] = []  # the job's run while `job_run` holds it open
 
 
 def embedded() -> bool:
@@ -30,11 +43,11 @@ def embedded() -> bool:
 _CONFIGURED_URI = os.environ.get("MLFLOW_TRACKING_URI", "")
 
 
-def configure(settings: Any) -> str:
+def configure(settings: settings_table.Settings) -> str:
     """Point MLflow at the configured server, or at the embedded store on the volume; return the URI."""
     import mlflow
 
-    store = os.path.join(os.path.abspath(settings.output_dir), "mlflow")
+    store = os.path.abspath(Volume(settings.output_dir).mlflow_store)
     uri = _CONFIGURED_URI or f"sqlite:///{os.path.join(store, 'mlflow.db')}"
     if uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
@@ -53,9 +66,6 @@ def configure(settings: Any) -> str:
         local = f"file://{os.path.join(store, 'artifacts')}" if embedded() else None
         mlflow.create_experiment(name, artifact_location=local)
     mlflow.set_experiment(name)
-    # The transformers callback logs metrics into our run; its ~300 params (every TrainingArguments
-    # field) are skipped: our own FT_* params are the effective configuration.
-    os.environ["MLFLOW_MAX_LOG_PARAMS"] = "0"
     return uri
 
 
@@ -86,11 +96,12 @@ def _unsupported_store() -> ConfigError:
 
 
 @contextlib.contextmanager
-def job_run(settings: Any, run_name: str) -> Iterator[Any]:
+def job_run(config: Any) -> Iterator[Any]:
     """The job's one MLflow run: FINISHED on success, KILLED when stopped (a restart continues it), else FAILED."""
     import mlflow
 
-    run = start_run(settings, run_name)
+    run = _start_run(config)
+    _open_runs.append(run.info.run_id)
     try:
         yield run
     except Preempted:
@@ -99,34 +110,90 @@ def job_run(settings: Any, run_name: str) -> Iterator[Any]:
     except BaseException:
         mlflow.end_run("FAILED")
         raise
-    mlflow.end_run("FINISHED")
+    else:
+        mlflow.end_run("FINISHED")
+    finally:
+        _open_runs.pop()
 
 
-def start_run(settings: Any, run_name: str) -> Any:
-    """Continue the job's run if the volume names one, else start it."""
+def _start_run(config: Any) -> Any:
+    """Continue the job's run if the volume names one, else start it and log the effective configuration."""
     import mlflow
 
-    path = os.path.join(settings.output_dir, RUN_FILE)
-    run_id = None
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            run_id = json.load(f)["run_id"]
+    path = Volume(config.settings.output_dir).run_file
+    run_id = (read_json(path) or {}).get("run_id")
+    if run_id:
         try:
             mlflow.get_run(run_id)
         except mlflow.exceptions.MlflowException:
             print(f"fulltune: MLflow run {run_id} named on the volume is not on this server: starting a new run", flush=True)
             run_id = None
-    run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name, log_system_metrics=settings.system_metrics)
+    run = mlflow.start_run(run_id=run_id, run_name=None if run_id else config.run_name, log_system_metrics=config.settings.system_metrics)
     if run_id is None:
-        mlflow.log_params(settings_table.as_params(settings))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"run_id": run.info.run_id, "tracking_uri": redact(mlflow.get_tracking_uri())}, f)
-        os.replace(path + ".tmp", path)
+        mlflow.log_params(settings_table.as_params(config.settings) | {"precision": config.precision.name})
+        write_json(path, {"run_id": run.info.run_id, "tracking_uri": redact(mlflow.get_tracking_uri())})
     return run
 
 
-def register(settings: Any, model_dir: str, metadata: dict[str, str]) -> str:
+def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
+    """Into the job's run; nothing when there is none (a benchmark or test that runs the Trainer alone)."""
+    if not _open_runs:  # mlflow may not even be installed there (the GPU benchmark)
+        return
+    import mlflow
+
+    mlflow.log_metrics(metrics, step=step)
+
+
+def log(tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None, artifacts: dict[str, Any] | None = None) -> None:
+    """Tags, step-less metrics, and artifacts (a dict is stored as JSON, a string as text) into the job's run."""
+    import mlflow
+
+    mlflow.set_tags(tags or {})
+    mlflow.log_metrics(metrics or {})
+    for path, value in (artifacts or {}).items():
+        if isinstance(value, str):
+            mlflow.log_text(value, path)
+        else:
+            mlflow.log_dict(value, path)
+
+
+class MetricsCallback(TrainerCallback):
+    """What the Trainer logs (loss, eval_loss, learning_rate, grad_norm, ...) as metrics of the job's run, at the
+    optimizer step.  Numbers only, names sanitised as transformers' MLflowCallback does."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        metrics = {re.sub(r"[^0-9A-Za-z_\-\.\ :/]", "_", k): float(v) for k, v in (logs or {}).items() if isinstance(v, int | float)}
+        if metrics:
+            log_metrics(metrics, step=state.global_step)
+
+
+def save_model(net: Any, tokenizer: Any, path: str, metadata: dict[str, str]) -> None:
+    """Write the model once, as an MLflow transformers model whose `model/` folder is also a plain transformers
+    folder (weights + tokenizer), so serving and the registry share one copy; the metadata goes to the run too."""
+    import mlflow
+
+    mlflow.transformers.save_model(
+        transformers_model={"model": net, "tokenizer": tokenizer},
+        path=path,
+        task="llm/v1/chat",
+        metadata=metadata,
+        pip_requirements=_serving_requirements(),
+    )
+    tokenizer.save_pretrained(os.path.join(path, "model"))
+    if _open_runs:
+        mlflow.log_dict(metadata, "model_metadata.json")
+
+
+def _serving_requirements() -> list[str]:
+    """Pin what serving needs; without this, MLflow infers extras such as torchvision."""
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name)}" for name in ("mlflow", "torch", "transformers", "accelerate", "safetensors", "tokenizers")]
+
+
+def register(settings: settings_table.Settings, model_dir: str, metadata: dict[str, str]) -> str:
     """Register the saved MLflow model under FT_REGISTERED_MODEL; return 'name/version'.
 
     On the embedded store the version points at `model_dir` on the volume (no second copy of the

@@ -1,0 +1,103 @@
+"""Fault injection for the tests, from outside the product: put this folder on PYTHONPATH and Python runs it in
+every process of the job (entrypoint.py and the training process), where it patches trainer modules as
+they are imported.  Nothing in trainer/ knows about it.  Each fault is switched on by a variable:
+
+  FAULT_SECONDS_PER_STEP=0.15          sleep after each optimizer step (a signal lands while training)
+  FAULT_SIGTERM_AT_STEP=13              when step 13 ends, SIGTERM goes to entrypoint.py (as a container stop sends it to
+                                       PID 1), which forwards it: a stop that lands at a known step
+  FAULT_KILL_BEFORE_COMMIT_AT_STEP=20  SIGKILL the training process after checkpoint 20's files are written,
+                                       before its manifest is (provably inside the save)
+  FAULT_HOLD_START=<file>              the training process writes <file> and sleeps before anything else
+                                       (a stop that lands while it starts)
+  FAULT_COUNT_PARSES=<file>            append a line to <file> each time the FT_* settings are parsed
+  FAULT_CHILD_ENV=FT_MAX_STEPS=3       the training process starts with this variable changed
+"""
+
+import importlib.abc
+import os
+import signal
+import sys
+import time
+
+TRAINING_PROCESS = "FULLTUNE_CONFIG" in os.environ  # set by trainer/launch.py for the child only
+
+
+def _step_faults(module):
+    seconds = float(os.environ.get("FAULT_SECONDS_PER_STEP") or 0)
+    stop_at = int(os.environ.get("FAULT_SIGTERM_AT_STEP") or 0)
+    original = module.StopOnSignal.on_step_end
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(seconds)
+        if state.global_step == stop_at:
+            os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(1)  # the forwarded signal arrives within this step
+        return original(self, args, state, control, **kwargs)
+
+    module.StopOnSignal.on_step_end = on_step_end
+
+
+def _kill_before_commit(module):
+    step = int(os.environ["FAULT_KILL_BEFORE_COMMIT_AT_STEP"])
+    original = module.write_json
+
+    def write_json(path, value):
+        if os.path.basename(path) == module.MANIFEST and value.get("step") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(path, value)
+
+    module.write_json = write_json
+
+
+def _count_parses(module):
+    original = module.load
+
+    def load(*args, **kwargs):
+        with open(os.environ["FAULT_COUNT_PARSES"], "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+        return original(*args, **kwargs)
+
+    module.load = load
+
+
+PATCHES = {  # module -> (variables, patch)
+    "trainer.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP"), _step_faults),
+    "trainer.checkpoints": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
+    "trainer.settings": (("FAULT_COUNT_PARSES",), _count_parses),
+}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds the module as Python would, then applies the patch right after the module has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES or not any(os.environ.get(variable) for variable in PATCHES[name][0]):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            PATCHES[name][1](module)
+
+        spec.loader.exec_module = patched
+        return spec
+
+
+sys.meta_path.insert(0, _PatchOnImport())
+
+if TRAINING_PROCESS and os.environ.get("FAULT_CHILD_ENV"):  # NAME=VALUE: the training process sees another environment
+    name, _, value = os.environ["FAULT_CHILD_ENV"].partition("=")
+    os.environ[name] = value
+
+if TRAINING_PROCESS and os.environ.get("FAULT_HOLD_START"):
+    with open(os.environ["FAULT_HOLD_START"], "w") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(600)

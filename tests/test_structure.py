@@ -1,0 +1,94 @@
+"""One owner per concern: the settings are parsed once, MLflow has one module, the volume's layout has one.
+
+These rules are what keep the job correct once it runs as several processes: a second parse could
+disagree with the first, a second MLflow caller could open a second run, a second spelling of a path
+could write where nothing reads.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, job_env, run_job, with_faults
+
+CODE = sorted((ROOT / "trainer").glob("*.py")) + [ROOT / "entrypoint.py"]
+LAYOUT = {"checkpoints", "incomplete", "final", "mlflow", ".fulltune", "data-cache", "data-report.txt", "demo", "status.json", "fingerprint.json", "mlflow_run.json"}
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_only_the_tracking_module_imports_mlflow():
+    importers = [path.name for path in CODE if any(name == "mlflow" or name.startswith("mlflow.") for name in _imports(path))]
+    assert importers == ["tracking.py"]
+
+
+def layout_paths_built(source: str) -> list[str]:
+    """Calls that join a path under the output folder: a layout name, or the folder itself (`settings.output_dir`,
+    not through `Volume`; the Trainer's `args.output_dir` is the checkpoints folder, whose insides are checkpoints.py's)."""
+
+    def under_output(arg: ast.expr) -> bool:
+        text = ast.unparse(arg)
+        return ("settings.output_dir" in text or text == "output_dir") and "Volume(" not in text
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.path.join", "Path"):
+            if any(under_output(arg) or (isinstance(arg, ast.Constant) and arg.value in LAYOUT) for arg in node.args):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_volume_module_builds_paths_under_the_output_folder():
+    assert layout_paths_built("import os\nos.path.join(settings.output_dir, 'final')\nos.path.join(state, 'status.json')") == [
+        "2: os.path.join(settings.output_dir, 'final')",
+        "3: os.path.join(state, 'status.json')",
+    ]  # the rule sees both kinds
+    owners = ("volume.py", "platforms.py")  # platforms.py names the platforms' own folders (SageMaker's /opt/ml/checkpoints)
+    offenders = {path.name: found for path in CODE if path.name not in owners and (found := layout_paths_built(path.read_text()))}
+    assert offenders == {}
+
+
+def test_what_entrypoint_py_imports_before_validating_stays_light():
+    """The light modules entrypoint.py imports before validation stay free of torch, transformers and mlflow."""
+    light = ("entrypoint.py", "settings.py", "config.py", "errors.py", "platforms.py", "launch.py", "volume.py")
+    heavy = {"torch", "transformers", "mlflow", "trl", "datasets", "accelerate"}
+    for path in CODE:
+        if path.name in light:
+            top = {node.module if isinstance(node, ast.ImportFrom) else node.names[0].name for node in ast.parse(path.read_text()).body if isinstance(node, ast.Import | ast.ImportFrom)}
+            assert not {name.split(".")[0] for name in top if name} & heavy, path.name
+
+
+@pytest.mark.slow
+def test_settings_are_parsed_once_and_the_training_process_keeps_the_parents_values(tmp_path):
+    out, parses = tmp_path / "volume", tmp_path / "parses"
+    env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="6", FT_EVAL_STEPS="3", FT_SAVE_STEPS="6", FT_LOGGING_STEPS="3")
+    result = run_job(with_faults(env, count_parses=parses, child_env="FT_MAX_STEPS=3"))  # the child's environment says 3
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(parses.read_text().splitlines()) == 1  # entrypoint.py's parse; the training process parsed nothing
+    assert "step=6/6" in result.stdout and "step=3/3" not in result.stdout
+    status = json.loads((out / ".fulltune" / "status.json").read_text())
+    assert status["final_model"] == str(out / "final")
+    assert json.loads((out / ".fulltune" / "fingerprint.json").read_text())["FT_MAX_STEPS"] == "6"
+
+
+def test_a_training_process_started_without_entrypoint_py_exits_2_saying_how_to_start_it(tmp_path):
+    import subprocess
+    import sys
+
+    env = job_env(tmp_path / "volume", FT_PRESET="demo")
+    result = subprocess.run([sys.executable, "-m", "trainer"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "FULLTUNE_CONFIG is not set: start the job with entrypoint.py" in result.stderr
+    assert not (tmp_path / "volume").exists()

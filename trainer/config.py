@@ -1,0 +1,143 @@
+"""What one job runs with: the settings, parsed once by entrypoint.py, plus what follows from them and the
+machine (device, precision), handed to the training process as data.
+
+The training process never reads `FT_*` variables: `launch.py` passes this configuration in one variable,
+`FULLTUNE_CONFIG` (JSON), so every process of a job (and, later, every rank) runs with exactly what was
+validated and logged, even if its environment differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from trainer import errors
+from trainer import settings as settings_table
+from trainer.errors import ConfigError
+from trainer.settings import Settings
+
+VARIABLE = "FULLTUNE_CONFIG"
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """How weights are stored and computed, and what that costs per parameter (trainer/memory.py, saving)."""
+
+    name: str  # fp32 | bf16-mixed | bf16-sr
+    weight_dtype: str  # torch dtype name of the trained weights
+    compute_dtype: str  # of the matmuls (autocast)
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int  # AdamW exp_avg + exp_avg_sq, always fp32
+    checkpoint_bytes: int  # weights + AdamW states in a checkpoint (fp32: measured 3.0x the fp32 weights)
+    serving_dtype: str  # of the final model's weights: bf16 after bf16 training (half the fp32 master copy)
+
+    @property
+    def bf16(self) -> bool:
+        return self.compute_dtype == "bfloat16"
+
+    @property
+    def autocast_copies(self) -> bool:
+        """bf16-mixed: autocast casts each fp32 weight to bf16 while a forward holds it."""
+        return self.weight_dtype == "float32" and self.bf16
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """bf16 weights updated by trainer/optim.py's AdamW with stochastic rounding."""
+        return self.weight_dtype == "bfloat16"
+
+    @property
+    def training_bytes(self) -> int:
+        """Weights, gradients and optimizer states per parameter, before activations."""
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def serving_bytes(self) -> int:
+        return 2 if self.serving_dtype == "bfloat16" else 4
+
+    def dtype(self, which: str = "weight") -> Any:
+        """The torch dtype of the `weight`s, the `compute` or the `serving` weights."""
+        import torch
+
+        return getattr(torch, {"weight": self.weight_dtype, "compute": self.compute_dtype, "serving": self.serving_dtype}[which])
+
+
+PRECISIONS = {
+    p.name: p
+    for p in (
+        Precision("fp32", "float32", "float32", 4, 4, 8, 12, "float32"),
+        Precision("bf16-mixed", "float32", "bfloat16", 4, 4, 8, 12, "bfloat16"),
+        Precision("bf16-sr", "bfloat16", "bfloat16", 2, 2, 8, 10, "bfloat16"),
+    )
+}
+
+
+def resolve_precision(choice: str, cuda: bool, bf16_supported: bool) -> Precision:
+    """FT_PRECISION on this machine.  AdamW states always stay fp32.
+
+    The seed notebook loaded bf16 weights and let AdamW update them in place: at lr 2e-5 most updates
+    are below bf16's resolution and are lost.  bf16-mixed keeps fp32 master weights and runs the matmuls
+    in bf16 autocast (16 B/param: 64 GB for Qwen3-4B before activations).  bf16-sr keeps bf16 weights and
+    gradients and writes each update back with stochastic rounding (trainer/optim.py; 12 B/param: 48 GB).
+    """
+    if choice == "auto":
+        return PRECISIONS["bf16-mixed" if cuda and bf16_supported else "fp32"]
+    if choice == "bf16-mixed" and not (cuda and bf16_supported):
+        raise ConfigError("FT_PRECISION=bf16-mixed needs a GPU with bf16 support; use auto or fp32 on this machine")
+    if choice == "bf16-sr" and cuda and not bf16_supported:
+        raise ConfigError("FT_PRECISION=bf16-sr needs a GPU with bf16 support; use auto or fp32 on this GPU")
+    if choice == "bf16-sr" and not cuda:
+        print("fulltune: warning: FT_PRECISION=bf16-sr on CPU: bf16 is several times slower than fp32 there", flush=True)
+    return PRECISIONS[choice]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The settings and what was derived from them once, where the configuration was built."""
+
+    settings: Settings
+    cuda: bool
+    precision: Precision
+
+    @property
+    def run_name(self) -> str:
+        return self.settings.run_name or f"{self.settings.model.rstrip('/')}_full-fine-tuning"
+
+    def fingerprint(self) -> dict[str, str]:
+        """What the checkpoints on a volume belong to: every setting that changes the result, with the
+        precision as resolved on this machine (`auto` means different things on CPU and GPU)."""
+        values = settings_table.changing(self.settings, ("data", "training"))
+        del values["precision"]
+        return {f"FT_{name.upper()}": str(value) for name, value in values.items()} | {"precision": self.precision.name}
+
+    def to_json(self) -> str:
+        return json.dumps({"settings": dataclasses.asdict(self.settings), "cuda": self.cuda, "precision": self.precision.name})
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        data = json.loads(text)
+        return cls(Settings(**data["settings"]), data["cuda"], PRECISIONS[data["precision"]])
+
+
+def build(settings: Settings, cuda: bool | None = None, bf16_supported: bool | None = None) -> Config:
+    """Derive the job's configuration from validated settings; the device is probed unless given (tests)."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        bf16_supported = cuda and torch.cuda.is_bf16_supported()
+    errors.set_termination_message_path(settings.termination_message_path)
+    return Config(settings, cuda, resolve_precision(settings.precision, cuda, bool(bf16_supported)))
+
+
+def handed_over(environ: Mapping[str, str] | None = None) -> Config:
+    """The configuration entrypoint.py built, in the training process."""
+    environ = os.environ if environ is None else environ
+    if VARIABLE not in environ:
+        raise ConfigError(f"{VARIABLE} is not set: start the job with entrypoint.py, which validates the FT_* settings and passes them on")
+    config = Config.from_json(environ[VARIABLE])
+    errors.set_termination_message_path(config.settings.termination_message_path)
+    return config

@@ -1,0 +1,143 @@
+"""The output volume (`FT_OUTPUT_DIR`): every path fulltune writes there, how it writes them, and the job's status.
+
+    volume = Volume(settings.output_dir)
+    volume.checkpoints            # checkpoints/checkpoint-N/ (what counts as committed: checkpoints.py)
+    write_json(volume.status_file, {...})   # never a half-written file, whatever kills the process
+    with staged(volume.final) as partial:   # never a half-written folder: built aside, then renamed into place
+        ...
+
+The README's "What lands on the volume" table lists the same paths.  Nothing else in the package joins
+paths under `FT_OUTPUT_DIR`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+
+class Volume:
+    """The layout of one job's output folder."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def _path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    @property
+    def checkpoints(self) -> str:
+        """Committed checkpoints, `checkpoint-N/` each (TrainingArguments.output_dir)."""
+        return self._path("checkpoints")
+
+    @property
+    def incomplete(self) -> str:
+        """Checkpoints whose save was cut short, set aside at the next start."""
+        return self._path("incomplete")
+
+    @property
+    def final(self) -> str:
+        """The final model as an MLflow transformers model."""
+        return self._path("final")
+
+    @property
+    def final_model(self) -> str:
+        """The same weights and tokenizer as a plain transformers folder (inside `final`)."""
+        return self._path("final", "model")
+
+    @property
+    def mlflow_store(self) -> str:
+        """The embedded MLflow store (SQLite + artifacts) when no tracking server is set."""
+        return self._path("mlflow")
+
+    @property
+    def data_report(self) -> str:
+        return self._path("data-report.txt")
+
+    @property
+    def demo(self) -> str:
+        """FT_PRESET=demo: the tiny model, tokenizer and data."""
+        return self._path("demo")
+
+    @property
+    def state(self) -> str:
+        """Job state: status, fingerprint, MLflow run id, tokenized-data cache."""
+        return self._path(".fulltune")
+
+    @property
+    def status_file(self) -> str:
+        return self._path(".fulltune", "status.json")
+
+    @property
+    def fingerprint_file(self) -> str:
+        return self._path(".fulltune", "fingerprint.json")
+
+    @property
+    def run_file(self) -> str:
+        return self._path(".fulltune", "mlflow_run.json")
+
+    @property
+    def data_cache(self) -> str:
+        return self._path(".fulltune", "data-cache")
+
+    # -- The job's status: trained and saved, then registered ---------------------------------------
+
+    def status(self) -> Status:
+        return Status(**read_json(self.status_file, {}))
+
+    def mark_saved(self, metadata: dict[str, str]) -> None:
+        """The final model is complete on the volume: a restart skips training (exit 3 retries register only)."""
+        write_json(self.status_file, {"final_model": self.final, "metadata": metadata})
+
+    def mark_registered(self, version: str) -> None:
+        write_json(self.status_file, read_json(self.status_file, {}) | {"registered": version})
+
+
+class Status:
+    """What earlier attempts of this job finished: nothing, the final model, or the registration too."""
+
+    def __init__(self, final_model: str | None = None, metadata: dict[str, str] | None = None, registered: str | None = None):
+        self.final_model, self.metadata, self.registered = final_model, metadata or {}, registered
+
+    def done(self, registering: bool) -> str | None:
+        """What the finished job left (a registered version or the model folder), or None if work remains."""
+        if self.registered:
+            return self.registered
+        return self.final_model if self.final_model and not registering else None
+
+
+def read_json(path: str, default: Any = None) -> Any:
+    if not os.path.exists(path):
+        return default
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_json(path: str, value: Any) -> None:
+    """Write to a temporary file, flush it to disk, then rename it over `path`: readers see the old or the new."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    partial = path + ".tmp"
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, ensure_ascii=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def staged(target: str) -> Iterator[str]:
+    """Yield `<target>.partial` to fill; on success it replaces `target`, on failure it is left for the next try.
+
+    A folder, unlike a file, cannot be renamed over an existing one, so the old `target` is removed just
+    before the rename: a crash between the two leaves `.partial` complete, and the next attempt redoes it.
+    """
+    partial = target + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(os.path.dirname(partial) or ".", exist_ok=True)
+    yield partial
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(partial, target)
