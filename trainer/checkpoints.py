@@ -17,10 +17,10 @@ import os
 import re
 import shutil
 import time
-from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer.config import Config
 from trainer.errors import ConfigError
 from trainer.volume import Volume, read_json, write_json
 
@@ -103,7 +103,7 @@ class CommitCheckpoints(TrainerCallback):
 # -- What the checkpoints on a volume belong to ------------------------------------------------
 
 
-def check_fingerprint(config: Any) -> None:
+def check_fingerprint(config: Config) -> None:
     """Refuse (exit 2) to resume checkpoints written for a different computation, unless allowed.
 
     The fingerprint holds every setting whose `changes` flag is set (trainer/settings.py), so a setting

@@ -24,6 +24,7 @@ from typing import Any
 from trainer import formats, masking, sources
 from trainer import settings as settings_table
 from trainer.errors import DataError
+from trainer.settings import Settings
 from trainer.volume import Volume, read_json, staged
 
 CACHE_VERSION = 1  # bump when the tokenized form changes
@@ -52,7 +53,7 @@ class _Part:
     longest: int = 0
 
 
-def prepare(settings: Any, tokenizer: Any) -> Prepared:
+def prepare(settings: Settings, tokenizer: Any) -> Prepared:
     """Train and validation datasets ready for SFTTrainer, and the data report; DataError (exit 2) when unusable."""
     train_source = sources.open_source(settings.dataset, settings, "FT_DATASET")
     if settings.eval_dataset:
@@ -102,7 +103,7 @@ def prepare(settings: Any, tokenizer: Any) -> Prepared:
     return Prepared(train_set, eval_set, report)
 
 
-def _format(source: sources.Source, settings: Any) -> str:
+def _format(source: sources.Source, settings: Settings) -> str:
     columns = source.columns()
     if not columns:
         if next(source.rows(), None) is None:
@@ -111,7 +112,7 @@ def _format(source: sources.Source, settings: Any) -> str:
     return formats.detect(columns, settings.data_format, source.name)
 
 
-def _read(source: sources.Source, fmt: str, masker: masking.Masker, settings: Any) -> _Part:
+def _read(source: sources.Source, fmt: str, masker: masking.Masker, settings: Settings) -> _Part:
     part, pending = _Part(), []
 
     def flush() -> None:
@@ -163,7 +164,7 @@ def _dataset(part: _Part) -> Any:
     return datasets.Dataset.from_dict({"input_ids": part.ids, "labels": part.labels}, features=features)
 
 
-def _report(settings, train_source, fmt, masker, train: _Part, eval_source, evaluation: _Part | None, key: str) -> dict:
+def _report(settings: Settings, train_source, fmt, masker, train: _Part, eval_source, evaluation: _Part | None, key: str) -> dict:
     lengths = sorted(len(ids) for ids in train.ids) or [0]
     tokens = sum(lengths)
     trained = sum(sum(label != -100 for label in labels) for labels in train.labels)
@@ -224,7 +225,7 @@ def report_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_report(settings: Any, report: dict) -> str:
+def _write_report(settings: Settings, report: dict) -> str:
     os.makedirs(settings.output_dir, exist_ok=True)
     path = Volume(settings.output_dir).data_report
     with open(path, "w", encoding="utf-8") as f:
@@ -233,7 +234,7 @@ def _write_report(settings: Any, report: dict) -> str:
     return path
 
 
-def _fail(settings: Any, report: dict, why: str) -> None:
+def _fail(settings: Settings, report: dict, why: str) -> None:
     path = _write_report(settings, report)
     shown = [f"  {'' if name == 'train' else 'FT_EVAL_DATASET '}{line}" for name, part in report["sources"].items() for line in part["bad_shown"]]
     counts = ", ".join(f"{count} x {reason}" for part in report["sources"].values() for reason, count in part["bad_by_reason"].items())
@@ -261,7 +262,7 @@ def tracked(report: dict) -> dict[str, Any]:
     }
 
 
-def _fingerprint(settings: Any, tokenizer: Any, train: sources.Source, evaluation: sources.Source | None) -> str:
+def _fingerprint(settings: Settings, tokenizer: Any, train: sources.Source, evaluation: sources.Source | None) -> str:
     """Everything that shapes the tokenized data: sources, tokenizer and template, and the data settings."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocabulary = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))

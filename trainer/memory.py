@@ -31,8 +31,9 @@ import os
 import shutil
 from typing import Any
 
-from trainer.config import Precision
+from trainer.config import Config, Precision
 from trainer.errors import ConfigError
+from trainer.settings import Settings
 from trainer.volume import Volume
 
 GB = 1e9
@@ -144,7 +145,7 @@ def estimate(config: Any, n_params: int, *, precision: Precision, sequences_per_
     return breakdown
 
 
-def plan(config: Any, n_params: int, settings: Any, precision: Precision, capacity: float, checkpointing: str) -> Plan:
+def plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str) -> Plan:
     """Fewest forward passes per step, then the least recomputation, that fit `capacity` (0 = no limit).
 
     `checkpointing` is FT_ACTIVATION_CHECKPOINTING; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
@@ -179,7 +180,7 @@ def recomputation_choices(policy: str, layers: int, limited: bool) -> list[int]:
     }[policy]
 
 
-def _fixes(config: Any, n_params: int, settings: Any, precision: Precision, capacity: float) -> list[str]:
+def _fixes(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float) -> list[str]:
     """Settings that would make the job fit, each checked against the same estimate."""
     fixes = []
     for length in (settings.max_length // 2, settings.max_length // 4):
@@ -195,7 +196,7 @@ def _fixes(config: Any, n_params: int, settings: Any, precision: Precision, capa
     return fixes
 
 
-def device_capacity(settings: Any, cuda: bool) -> float:
+def device_capacity(settings: Settings, cuda: bool) -> float:
     if settings.gpu_memory_gb:
         return settings.gpu_memory_gb * GB
     if not cuda:
@@ -205,7 +206,7 @@ def device_capacity(settings: Any, cuda: bool) -> float:
     return float(torch.cuda.get_device_properties(0).total_memory)
 
 
-def check_disk(settings: Any, n_params: int, precision: Precision) -> str | None:
+def check_disk(settings: Settings, n_params: int, precision: Precision) -> str | None:
     """None when the volume has room for the retained checkpoints and the final model, else the problem."""
     folder = os.path.abspath(settings.output_dir)
     while not os.path.exists(folder):
@@ -229,7 +230,7 @@ def check_disk(settings: Any, n_params: int, precision: Precision) -> str | None
     )
 
 
-def preflight(job: Any) -> Plan:
+def preflight(job: Config) -> Plan:
     """Plan passes and recomputation from the model config, then check GPU memory and disk space.
 
     Raises ConfigError (exit 2) when either does not fit and FT_PREFLIGHT=fail.

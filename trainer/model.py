@@ -6,7 +6,9 @@ import json
 import os
 from typing import Any
 
+from trainer.config import Precision
 from trainer.errors import ConfigError
+from trainer.settings import Settings
 
 # ChatML, as trl.setup_chat_format(format="chatml") used to add it (removed in TRL 1.x).
 CHATML_TEMPLATE = (
@@ -17,14 +19,14 @@ CHATML_TEMPLATE = (
 )
 
 
-def hub_kwargs(settings: Any) -> dict[str, Any]:
+def hub_kwargs(settings: Settings) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"trust_remote_code": settings.trust_remote_code}
     if settings.model_revision:
         kwargs["revision"] = settings.model_revision
     return kwargs
 
 
-def read_config(settings: Any) -> Any:
+def read_config(settings: Settings) -> Any:
     """The model's config alone (a few KB): enough to plan memory before downloading weights."""
     from transformers import AutoConfig
 
@@ -36,7 +38,7 @@ def read_config(settings: Any) -> Any:
         raise
 
 
-def load_tokenizer(settings: Any) -> Any:
+def load_tokenizer(settings: Settings) -> Any:
     """Load the tokenizer; add ChatML only when it has no chat template; pad = EOS when missing."""
     from transformers import AutoTokenizer
 
@@ -51,7 +53,7 @@ def load_tokenizer(settings: Any) -> Any:
     return tokenizer
 
 
-def load_model(settings: Any, tokenizer: Any, precision: Any) -> Any:
+def load_model(settings: Settings, tokenizer: Any, precision: Precision) -> Any:
     """Load the weights in the precision's weight dtype (fp32 master weights, or bf16 with FT_PRECISION=bf16-sr;
     see trainer/config.py) and fit the embeddings to the tokenizer."""
     from transformers import AutoModelForCausalLM

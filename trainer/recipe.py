@@ -24,22 +24,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.config import Precision
+from trainer.settings import Settings
 from trainer.volume import Volume
 
 
-def padding_free(settings: Any, cuda: bool) -> bool:
+def padding_free(settings: Settings, cuda: bool) -> bool:
     """`auto`: on, on every device: measured 2.3x the padded layout's tokens/s on CPU (bench/RESULTS.md);
     on GPU pending measurement (bench/gpu_check.sh runs both)."""
     return settings.padding_free in ("auto", "on")
 
 
-def optimizer(settings: Any, cuda: bool) -> str:
+def optimizer(settings: Settings, cuda: bool) -> str:
     if settings.optimizer == "auto":
         return "adamw_torch_fused" if cuda else "adamw_torch"
     return settings.optimizer
 
 
-def optimizer_cls_and_kwargs(precision: Any, args: Any) -> Any:
+def optimizer_cls_and_kwargs(precision: Precision, args: Any) -> Any:
     """For bf16-sr, our AdamW (trainer/optim.py) for the Trainer to build, so it still makes the weight-decay
     groups and the scheduler and saves/loads the optimizer state (with the rounding generator) in checkpoints;
     else None (`optim` decides)."""
@@ -50,7 +52,7 @@ def optimizer_cls_and_kwargs(precision: Any, args: Any) -> Any:
     return StochasticRoundingAdamW, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon, "seed": args.seed}
 
 
-def prepare_model(net: Any, settings: Any, cuda: bool) -> Any:
+def prepare_model(net: Any, settings: Settings, cuda: bool) -> Any:
     """Switch the loaded model to per-sequence attention when passes are padding-free."""
     if padding_free(settings, cuda) and net.config._attn_implementation not in ("flash_attention_2", "flash_attention_3"):
         from trainer import attention
@@ -59,7 +61,7 @@ def prepare_model(net: Any, settings: Any, cuda: bool) -> Any:
     return net
 
 
-def collator(settings: Any, tokenizer: Any, cuda: bool) -> Any:
+def collator(settings: Settings, tokenizer: Any, cuda: bool) -> Any:
     """TRL's collator in padding-free mode, or None for TRL's default (padded).
 
     Passed explicitly because TRL 1.16 refuses `padding_free=True` with a `max_length` unless packing is
@@ -72,14 +74,14 @@ def collator(settings: Any, tokenizer: Any, cuda: bool) -> Any:
     return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)
 
 
-def eval_rows(settings: Any, rows: Any) -> Any:
+def eval_rows(settings: Settings, rows: Any) -> Any:
     """The validation rows evaluated: all, or the first FT_EVAL_MAX_SAMPLES (the same ones every time)."""
     if rows is None or not settings.eval_max_samples or len(rows) <= settings.eval_max_samples:
         return rows
     return rows.select(range(settings.eval_max_samples))
 
 
-def sft_config(settings: Any, precision: Any, plan: Any, cuda: bool) -> Any:
+def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool) -> Any:
     """`plan` (trainer.memory.Plan) gives the passes per step and which layers recompute their activations."""
     from trl import SFTConfig
 

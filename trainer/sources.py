@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainer.errors import DataError
+from trainer.settings import Settings
 
 READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 FILESYSTEM_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
@@ -40,7 +41,7 @@ class Source:
         return f"{self.variable}={self.spec!r}"
 
 
-def own_test_split(spec: str, settings: Any) -> str | None:
+def own_test_split(spec: str, settings: Settings) -> str | None:
     """`test` when FT_DATASET (a hub dataset or a saved DatasetDict) has a test split besides the one trained on.
 
     The reference recipe evaluates on it (Capybara: 200 rows) and holds out FT_EVAL_FRACTION only
@@ -64,7 +65,7 @@ def own_test_split(spec: str, settings: Any) -> str | None:
     return "test" if "test" in names else None
 
 
-def open_source(spec: str, settings: Any, variable: str, split: str | None = None) -> Source:
+def open_source(spec: str, settings: Settings, variable: str, split: str | None = None) -> Source:
     """Resolve FT_DATASET / FT_EVAL_DATASET into a Source (no rows are read yet)."""
     if split is None and variable == "FT_DATASET":
         split = settings.dataset_split
@@ -197,7 +198,7 @@ def _saved_folder(spec: str, fs: Any, path: str, split: str | None, variable: st
     return Source(variable, spec, {"saved": stamp}, lambda: _dataset_rows(loaded), lambda: list(loaded.column_names))
 
 
-def _hub(spec: str, settings: Any, split: str | None, variable: str) -> Source:
+def _hub(spec: str, settings: Settings, split: str | None, variable: str) -> Source:
     """A hub dataset, optionally with configuration (FT_DATASET_CONFIG) and revision (FT_DATASET_REVISION) pinned.
 
     An unpinned revision is the default branch at download time; the cache keys on the name only,

@@ -26,6 +26,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainer import settings as settings_table
+from trainer.config import Config
 from trainer.errors import ConfigError, Preempted, RegistrationFailed
 from trainer.volume import Volume, read_json, write_json
 
@@ -96,7 +97,7 @@ def _unsupported_store() -> ConfigError:
 
 
 @contextlib.contextmanager
-def job_run(config: Any) -> Iterator[Any]:
+def job_run(config: Config) -> Iterator[Any]:
     """The job's one MLflow run: FINISHED on success, KILLED when stopped (a restart continues it), else FAILED."""
     import mlflow
 
@@ -116,7 +117,7 @@ def job_run(config: Any) -> Iterator[Any]:
         _open_runs.pop()
 
 
-def _start_run(config: Any) -> Any:
+def _start_run(config: Config) -> Any:
     """Continue the job's run if the volume names one, else start it and log the effective configuration."""
     import mlflow
 
