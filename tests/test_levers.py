@@ -156,14 +156,12 @@ def test_auto_batch_layout_trains_the_same_loss_curve_as_the_recipes_1x8_in_the_
 
 def test_selective_recomputation_recomputes_the_planned_layers_and_keeps_the_loss(tmp_path):
     """FT_ACTIVATION_CHECKPOINTING=selective: the plan's every-n-th layers recompute; the losses are unchanged."""
-    pytest.importorskip("trl")
     import torch
     from datasets import Dataset
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from trl import SFTTrainer
 
     from trainer import demo
-    from trainer.memory import Plan
 
     tokenizer = demo.build_tokenizer(["abc def"] * 10)
     settings = settings_table.load({"FT_OUTPUT_DIR": str(tmp_path), "FT_MAX_STEPS": "3", "FT_LOGGING_STEPS": "1", "FT_WARMUP_STEPS": "0", "FT_LEARNING_RATE": "1e-3"})
