@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import torch
 
 from conftest import ROOT, committed_steps, job_env, run_job, termination_message, wait_for
 
@@ -33,21 +35,58 @@ def only_run():
     return runs[0]
 
 
-def chat(model_dir: Path, text: str) -> str:
+PROMPT = "Reverse: apple river stone"
+
+
+def greedy_reply(model_dir: Path, text: str, max_new_tokens: int, tokenizer_dir: Path | None = None) -> list[int]:
+    """The reply's token ids, as transformers generates them greedily from the weights in `model_dir` with the
+    tokenizer and chat template in `tokenizer_dir` (default: the same folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    output = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-    return tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    output = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
+    return output[0, prompt["input_ids"].shape[1] :].tolist()
 
 
-def test_demo_job_leaves_committed_checkpoints_and_a_final_model_that_chats(demo_job):
+def served_greedy_answer(model, text: str, max_tokens: int) -> dict:
+    """A chat request to the MLflow pyfunc (task llm/v1/chat), decoded greedily.
+
+    The served model runs transformers' text-generation pipeline, which samples (do_sample=True, temperature 0.7)
+    unless the model's generation_config.json says otherwise; the demo model's does not.  A chat request cannot
+    ask for do_sample=False (the signature has no params and extra fields are dropped) and transformers rejects
+    temperature 0, so the request sets top_k=1: only the most likely token is kept at every step, which is greedy.
+    """
+    return model.predict({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "top_k": 1})[0]
+
+
+def assert_answers_as_transformers_does(response: dict, model_dir: Path, text: str, max_tokens: int) -> None:
+    """The served answer is, token for token, the greedy reply of the weights in `model_dir`."""
+    from transformers import AutoTokenizer
+
+    reply = greedy_reply(model_dir, text, max_tokens)
+    expected = AutoTokenizer.from_pretrained(model_dir).decode(reply, skip_special_tokens=True).lstrip()  # MLflow strips leading whitespace
+    print(f"served {response['choices'][0]['message']['content']!r}, transformers {expected!r} ({len(reply)} tokens)")
+    assert response["object"] == "chat.completion"
+    assert response["choices"][0]["message"] == {"role": "assistant", "content": expected}
+    assert response["usage"]["completion_tokens"] == len(reply)
+    assert response["choices"][0]["finish_reason"] == ("length" if len(reply) == max_tokens else "stop")
+
+
+def test_demo_job_final_model_is_the_best_committed_checkpoint_and_replies_as_trained(demo_job):
+    from safetensors.torch import load_file
+
     out, _ = demo_job
     assert committed_steps(out) == [20, 40]
-    answer = chat(out / "final" / "model", "Reverse: apple river stone")
-    assert answer.strip()
+    state = json.loads((out / "checkpoints" / "checkpoint-40" / "trainer_state.json").read_text())
+    best = Path(state["best_model_checkpoint"])
+    assert best.parent == out / "checkpoints" and best.name in ("checkpoint-20", "checkpoint-40")
+    final, kept = load_file(out / "final" / "model" / "model.safetensors"), load_file(best / "model.safetensors")
+    assert final.keys() == kept.keys() and all(torch.equal(final[name], kept[name]) for name in final), "final/model holds the best checkpoint's weights"
+    reply = greedy_reply(out / "final" / "model", PROMPT, 8)
+    assert reply == greedy_reply(best, PROMPT, 8, tokenizer_dir=out / "final" / "model")
+    assert reply != greedy_reply(out / "demo" / "model", PROMPT, 8, tokenizer_dir=out / "final" / "model"), "the untrained model replies otherwise"
 
 
 def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configuration(demo_job):
@@ -72,11 +111,10 @@ def test_demo_job_registers_a_version_linked_to_its_run_with_metadata(demo_job):
     assert version.tags["pretrained_model_name"]
 
 
-def test_registered_version_loads_with_pyfunc_and_answers_a_chat_request(demo_job):
+def test_registered_version_serves_the_greedy_reply_transformers_generates_from_the_final_weights(demo_job):
+    out, _ = demo_job
     model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")
-    response = model.predict({"messages": [{"role": "user", "content": "Reverse: apple river stone"}], "max_tokens": 8})
-    assert response[0]["object"] == "chat.completion"
-    assert response[0]["choices"][0]["message"]["role"] == "assistant"
+    assert_answers_as_transformers_does(served_greedy_answer(model, PROMPT, 8), out / "final" / "model", PROMPT, 8)
 
 
 def test_registration_is_one_copy_of_the_weights_on_the_volume(demo_job):
@@ -153,8 +191,8 @@ def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
     assert "eval_loss" in runs[0].data.metrics
     version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
     assert version.run_id == runs[0].info.run_id
-    model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")
-    assert model.predict({"messages": [{"role": "user", "content": "Reverse: apple stone"}], "max_tokens": 4})
+    model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")  # downloaded from the server's artifact store
+    assert_answers_as_transformers_does(served_greedy_answer(model, "Reverse: apple stone", 4), out / "final" / "model", "Reverse: apple stone", 4)
 
 
 def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(tmp_path):
