@@ -1,8 +1,9 @@
 """The precision policies keep the updates: fp32 master weights, or bf16 weights with stochastic rounding.
 
 The seed notebook loaded bf16 weights and let AdamW update them in place; at lr 2e-5 most updates
-are smaller than half a bf16 ulp and round away.  These tests train the demo model a few steps
-several ways on the same data and compare with an fp32 reference.
+are smaller than half a bf16 ulp and round away (torch's rounding, not fulltune's: bench/bf16_rounding.py
+prints how much).  These tests train the demo model a few steps with fulltune's policies on the same data
+and compare with an fp32 reference.
 """
 
 from __future__ import annotations
@@ -61,13 +62,6 @@ def test_bf16_mixed_moves_essentially_every_weight_and_matches_fp32_loss(demo_as
     changed, loss, _ = train(demo_assets, torch.float32, True, tmp_path)  # FT_PRECISION=bf16-mixed
     assert changed > 0.99
     assert loss == pytest.approx(fp32_reference[1], rel=0.01)
-
-
-def test_the_seeds_bf16_weights_lose_most_updates(demo_assets, fp32_reference, tmp_path):
-    changed, _, delta = train(demo_assets, torch.bfloat16, True, tmp_path)  # the notebook: dtype=bfloat16 + bf16=True
-    print(f"seed bf16: {changed:.3f} of the weights changed, {kept(delta, fp32_reference[2]):.3f} of the update kept")
-    assert fp32_reference[0] > 0.99
-    assert changed < 0.6, "bf16 weights updated in place lose most of the updates"
 
 
 def test_auto_precision_is_bf16_mixed_on_a_bf16_gpu_and_fp32_on_cpu():
