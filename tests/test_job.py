@@ -74,6 +74,7 @@ def assert_answers_as_transformers_does(response: dict, model_dir: Path, text: s
     assert response["choices"][0]["finish_reason"] == ("length" if len(reply) == max_tokens else "stop")
 
 
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_demo_job_final_model_is_the_best_committed_checkpoint_and_replies_as_trained(demo_job):
     from safetensors.torch import load_file
 
@@ -89,6 +90,7 @@ def test_demo_job_final_model_is_the_best_committed_checkpoint_and_replies_as_tr
     assert reply != greedy_reply(out / "demo" / "model", PROMPT, 8, tokenizer_dir=out / "final" / "model"), "the untrained model replies otherwise"
 
 
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configuration(demo_job):
     out, result = demo_job
     run = only_run()
@@ -101,6 +103,7 @@ def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configur
     assert SECRET not in everything
 
 
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_demo_job_registers_a_version_linked_to_its_run_with_metadata(demo_job):
     run = only_run()
     version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
@@ -111,12 +114,14 @@ def test_demo_job_registers_a_version_linked_to_its_run_with_metadata(demo_job):
     assert version.tags["pretrained_model_name"]
 
 
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_registered_version_serves_the_greedy_reply_transformers_generates_from_the_final_weights(demo_job):
     out, _ = demo_job
     model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")
     assert_answers_as_transformers_does(served_greedy_answer(model, PROMPT, 8), out / "final" / "model", PROMPT, 8)
 
 
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_registration_is_one_copy_of_the_weights_on_the_volume(demo_job):
     out, _ = demo_job
     weights = [p for p in out.rglob("*.safetensors") if "checkpoints" not in p.parts and "demo" not in p.parts]
@@ -169,6 +174,7 @@ def mlflow_server(tmp_path):
     server.wait(timeout=30)
 
 
+@pytest.mark.slow  # an MLflow server and the demo job in subprocesses
 def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
     out = tmp_path / "volume"
     env = job_env(
@@ -195,6 +201,7 @@ def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
     assert_answers_as_transformers_does(served_greedy_answer(model, "Reverse: apple stone", 4), out / "final" / "model", "Reverse: apple stone", 4)
 
 
+@pytest.mark.slow  # the demo job twice, in subprocesses
 def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(tmp_path):
     out = tmp_path / "volume"
     env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_STEPS="10")
@@ -223,6 +230,7 @@ def test_a_tracking_uri_this_mlflow_cannot_use_exits_2_before_training_without_i
     assert not (out / "checkpoints").exists() and not (out / "mlflow").exists()
 
 
+@pytest.mark.slow  # the job, in a subprocess
 @pytest.mark.parametrize("layout", ["parquet-shards", "save_to_disk"])
 def test_local_datasets_train_end_to_end(layout, demo_assets, tmp_path):
     import datasets
@@ -245,6 +253,7 @@ def test_local_datasets_train_end_to_end(layout, demo_assets, tmp_path):
     assert (out / "final" / "model" / "model.safetensors").exists()
 
 
+# Not slow: 2 steps, the one run of the whole job (entrypoint, accelerate, training, saving) in the fast subset.
 def test_runs_from_another_directory_with_a_relative_output_dir(tmp_path):
     env = job_env("./run", FT_PRESET="demo", FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2", FT_REGISTERED_MODEL="")
     env["FT_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")

@@ -79,6 +79,7 @@ def test_bf16_sr_moves_essentially_every_bf16_weight_and_matches_fp32_loss(demo_
     assert loss == pytest.approx(fp32_reference[1], rel=0.01)
 
 
+@pytest.mark.slow  # 60 training steps with bf16 on CPU
 def test_bf16_sr_eval_loss_after_30_steps_matches_fp32_master_weights(demo_assets, tmp_path):
     mixed = train(demo_assets, torch.float32, True, tmp_path / "mixed", steps=30, lr=2e-4, evaluate=True)  # bf16-mixed
     rounded = train(demo_assets, torch.bfloat16, True, tmp_path / "sr", sr=True, steps=30, lr=2e-4, evaluate=True)
