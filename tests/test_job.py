@@ -38,13 +38,13 @@ def only_run():
 PROMPT = "Reverse: apple river stone"
 
 
-def greedy_reply(model_dir: Path, text: str, max_new_tokens: int, tokenizer_dir: Path | None = None) -> list[int]:
-    """The reply's token ids, as transformers generates them greedily from the weights in `model_dir` with the
-    tokenizer and chat template in `tokenizer_dir` (default: the same folder)."""
+def greedy_reply(model_dir: Path, text: str, max_new_tokens: int, tokenizer_dir: Path | None = None, dtype: torch.dtype | None = None) -> list[int]:
+    """The reply's token ids, as transformers generates them greedily from the weights in `model_dir` (in `dtype`,
+    default as stored) with the tokenizer and chat template in `tokenizer_dir` (default: the same folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {}))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     output = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
     return output[0, prompt["input_ids"].shape[1] :].tolist()
@@ -84,9 +84,10 @@ def test_demo_job_final_model_is_the_best_committed_checkpoint_and_replies_as_tr
     best = Path(state["best_model_checkpoint"])
     assert best.parent == out / "checkpoints" and best.name in ("checkpoint-20", "checkpoint-40")
     final, kept = load_file(out / "final" / "model" / "model.safetensors"), load_file(best / "model.safetensors")
-    assert final.keys() == kept.keys() and all(torch.equal(final[name], kept[name]) for name in final), "final/model holds the best checkpoint's weights"
+    dtype = next(iter(final.values())).dtype  # fp32 on CPU; bf16 where the job trains in bf16 (checkpoints keep fp32 master weights)
+    assert final.keys() == kept.keys() and all(torch.equal(final[name], kept[name].to(dtype)) for name in final), "final/model holds the best checkpoint's weights"
     reply = greedy_reply(out / "final" / "model", PROMPT, 8)
-    assert reply == greedy_reply(best, PROMPT, 8, tokenizer_dir=out / "final" / "model")
+    assert reply == greedy_reply(best, PROMPT, 8, tokenizer_dir=out / "final" / "model", dtype=dtype)
     assert reply != greedy_reply(out / "demo" / "model", PROMPT, 8, tokenizer_dir=out / "final" / "model"), "the untrained model replies otherwise"
 
 
