@@ -7,6 +7,7 @@ import string
 import subprocess
 
 import botocore.session
+import pytest
 import yaml
 from botocore.validate import validate_parameters
 from deploy_files import REPO, validators_python
@@ -116,6 +117,7 @@ def test_azureml_command_job_validates_against_the_sdk_schema(tmp_path):
     _assert_known_settings({**env, "FT_OUTPUT_DIR": str(tmp_path)})
 
 
+@pytest.mark.slow  # the demo job, in a subprocess
 def test_azureml_command_trains_although_azure_ml_points_mlflow_at_its_own_store(tmp_path):
     """The spec's command, run by a shell as Azure ML does, with the variables Azure ML sets (demo preset)."""
     import os

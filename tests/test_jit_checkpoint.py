@@ -12,7 +12,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import ROOT, wait_for
+
+pytestmark = pytest.mark.slow  # each test trains in a subprocess until it is signalled
 
 SCRIPT = textwrap.dedent(
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import torch
 
 from conftest import ROOT, committed_steps, job_env, run_job, termination_message, wait_for
 
@@ -33,23 +35,63 @@ def only_run():
     return runs[0]
 
 
-def chat(model_dir: Path, text: str) -> str:
+PROMPT = "Reverse: apple river stone"
+
+
+def greedy_reply(model_dir: Path, text: str, max_new_tokens: int, tokenizer_dir: Path | None = None, dtype: torch.dtype | None = None) -> list[int]:
+    """The reply's token ids, as transformers generates them greedily from the weights in `model_dir` (in `dtype`,
+    default as stored) with the tokenizer and chat template in `tokenizer_dir` (default: the same folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {}))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    output = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-    return tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    output = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
+    return output[0, prompt["input_ids"].shape[1] :].tolist()
 
 
-def test_demo_job_leaves_committed_checkpoints_and_a_final_model_that_chats(demo_job):
+def served_greedy_answer(model, text: str, max_tokens: int) -> dict:
+    """A chat request to the MLflow pyfunc (task llm/v1/chat), decoded greedily.
+
+    The served model runs transformers' text-generation pipeline, which samples (do_sample=True, temperature 0.7)
+    unless the model's generation_config.json says otherwise; the demo model's does not.  A chat request cannot
+    ask for do_sample=False (the signature has no params and extra fields are dropped) and transformers rejects
+    temperature 0, so the request sets top_k=1: only the most likely token is kept at every step, which is greedy.
+    """
+    return model.predict({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "top_k": 1})[0]
+
+
+def assert_answers_as_transformers_does(response: dict, model_dir: Path, text: str, max_tokens: int) -> None:
+    """The served answer is, token for token, the greedy reply of the weights in `model_dir`."""
+    from transformers import AutoTokenizer
+
+    reply = greedy_reply(model_dir, text, max_tokens)
+    expected = AutoTokenizer.from_pretrained(model_dir).decode(reply, skip_special_tokens=True).lstrip()  # MLflow strips leading whitespace
+    print(f"served {response['choices'][0]['message']['content']!r}, transformers {expected!r} ({len(reply)} tokens)")
+    assert response["object"] == "chat.completion"
+    assert response["choices"][0]["message"] == {"role": "assistant", "content": expected}
+    assert response["usage"]["completion_tokens"] == len(reply)
+    assert response["choices"][0]["finish_reason"] == ("length" if len(reply) == max_tokens else "stop")
+
+
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
+def test_demo_job_final_model_is_the_best_committed_checkpoint_and_replies_as_trained(demo_job):
+    from safetensors.torch import load_file
+
     out, _ = demo_job
     assert committed_steps(out) == [20, 40]
-    answer = chat(out / "final" / "model", "Reverse: apple river stone")
-    assert answer.strip()
+    state = json.loads((out / "checkpoints" / "checkpoint-40" / "trainer_state.json").read_text())
+    best = Path(state["best_model_checkpoint"])
+    assert best.parent == out / "checkpoints" and best.name in ("checkpoint-20", "checkpoint-40")
+    final, kept = load_file(out / "final" / "model" / "model.safetensors"), load_file(best / "model.safetensors")
+    dtype = next(iter(final.values())).dtype  # fp32 on CPU; bf16 where the job trains in bf16 (checkpoints keep fp32 master weights)
+    assert final.keys() == kept.keys() and all(torch.equal(final[name], kept[name].to(dtype)) for name in final), "final/model holds the best checkpoint's weights"
+    reply = greedy_reply(out / "final" / "model", PROMPT, 8)
+    assert reply == greedy_reply(best, PROMPT, 8, tokenizer_dir=out / "final" / "model", dtype=dtype)
+    assert reply != greedy_reply(out / "demo" / "model", PROMPT, 8, tokenizer_dir=out / "final" / "model"), "the untrained model replies otherwise"
 
 
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configuration(demo_job):
     out, result = demo_job
     run = only_run()
@@ -62,6 +104,7 @@ def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configur
     assert SECRET not in everything
 
 
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_the_run_holds_the_effective_settings_as_params_and_the_trainers_metrics_at_each_logging_step(demo_job):
     """fulltune logs the Trainer's metrics itself: no TrainingArguments params, no second run (report_to="none")."""
     from trainer import settings
@@ -75,6 +118,7 @@ def test_the_run_holds_the_effective_settings_as_params_and_the_trainers_metrics
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_loss")] == [20, 40]
 
 
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_demo_job_registers_a_version_linked_to_its_run_with_metadata(demo_job):
     run = only_run()
     version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
@@ -85,13 +129,14 @@ def test_demo_job_registers_a_version_linked_to_its_run_with_metadata(demo_job):
     assert version.tags["pretrained_model_name"]
 
 
-def test_registered_version_loads_with_pyfunc_and_answers_a_chat_request(demo_job):
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
+def test_registered_version_serves_the_greedy_reply_transformers_generates_from_the_final_weights(demo_job):
+    out, _ = demo_job
     model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")
-    response = model.predict({"messages": [{"role": "user", "content": "Reverse: apple river stone"}], "max_tokens": 8})
-    assert response[0]["object"] == "chat.completion"
-    assert response[0]["choices"][0]["message"]["role"] == "assistant"
+    assert_answers_as_transformers_does(served_greedy_answer(model, PROMPT, 8), out / "final" / "model", PROMPT, 8)
 
 
+@pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_registration_is_one_copy_of_the_weights_on_the_volume(demo_job):
     out, _ = demo_job
     weights = [p for p in out.rglob("*.safetensors") if "checkpoints" not in p.parts and "demo" not in p.parts]
@@ -144,6 +189,7 @@ def mlflow_server(tmp_path):
     server.wait(timeout=30)
 
 
+@pytest.mark.slow  # an MLflow server and the demo job in subprocesses
 def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
     out = tmp_path / "volume"
     env = job_env(
@@ -166,10 +212,11 @@ def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
     assert "eval_loss" in runs[0].data.metrics
     version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
     assert version.run_id == runs[0].info.run_id
-    model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")
-    assert model.predict({"messages": [{"role": "user", "content": "Reverse: apple stone"}], "max_tokens": 4})
+    model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")  # downloaded from the server's artifact store
+    assert_answers_as_transformers_does(served_greedy_answer(model, "Reverse: apple stone", 4), out / "final" / "model", "Reverse: apple stone", 4)
 
 
+@pytest.mark.slow  # the demo job twice, in subprocesses
 def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(tmp_path):
     out = tmp_path / "volume"
     env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_STEPS="10")
@@ -198,6 +245,7 @@ def test_a_tracking_uri_this_mlflow_cannot_use_exits_2_before_training_without_i
     assert not (out / "checkpoints").exists() and not (out / "mlflow").exists()
 
 
+@pytest.mark.slow  # the job, in a subprocess
 @pytest.mark.parametrize("layout", ["parquet-shards", "save_to_disk"])
 def test_local_datasets_train_end_to_end(layout, demo_assets, tmp_path):
     import datasets
@@ -220,6 +268,7 @@ def test_local_datasets_train_end_to_end(layout, demo_assets, tmp_path):
     assert (out / "final" / "model" / "model.safetensors").exists()
 
 
+# Not slow: 2 steps, the one run of the whole job (entrypoint, accelerate, training, saving) in the fast subset.
 def test_runs_from_another_directory_with_a_relative_output_dir(tmp_path):
     env = job_env("./run", FT_PRESET="demo", FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2", FT_REGISTERED_MODEL="")
     env["FT_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")

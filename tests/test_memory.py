@@ -101,6 +101,7 @@ MEASURE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # three training subprocesses
 def test_estimate_follows_the_measured_peak_on_cpu_for_each_recomputation_policy():
     """No recomputation, every 2nd layer (FT_ACTIVATION_CHECKPOINTING=selective) and every layer (full)."""
     results = {}

@@ -1,8 +1,9 @@
 """The precision policies keep the updates: fp32 master weights, or bf16 weights with stochastic rounding.
 
 The seed notebook loaded bf16 weights and let AdamW update them in place; at lr 2e-5 most updates
-are smaller than half a bf16 ulp and round away.  These tests train the demo model a few steps
-several ways on the same data and compare with an fp32 reference.
+are smaller than half a bf16 ulp and round away (torch's rounding, not fulltune's: bench/bf16_rounding.py
+prints how much).  These tests train the demo model a few steps with fulltune's policies on the same data
+and compare with an fp32 reference.
 """
 
 from __future__ import annotations
@@ -65,13 +66,6 @@ def test_bf16_mixed_moves_essentially_every_weight_and_matches_fp32_loss(demo_as
     assert loss == pytest.approx(fp32_reference[1], rel=0.01)
 
 
-def test_the_seeds_bf16_weights_lose_most_updates(demo_assets, fp32_reference, tmp_path):
-    changed, _, delta = train(demo_assets, torch.bfloat16, True, tmp_path)  # the notebook: dtype=bfloat16 + bf16=True
-    print(f"seed bf16: {changed:.3f} of the weights changed, {kept(delta, fp32_reference[2]):.3f} of the update kept")
-    assert fp32_reference[0] > 0.99
-    assert changed < 0.6, "bf16 weights updated in place lose most of the updates"
-
-
 def test_auto_precision_is_bf16_mixed_on_a_bf16_gpu_and_fp32_on_cpu():
     config = settings.load({"FT_PLATFORM": "none"})
     assert resolve_precision(config.precision, cuda=True, bf16_supported=True).name == "bf16-mixed"
@@ -87,6 +81,7 @@ def test_bf16_sr_moves_essentially_every_bf16_weight_and_matches_fp32_loss(demo_
     assert loss == pytest.approx(fp32_reference[1], rel=0.01)
 
 
+@pytest.mark.slow  # 60 training steps with bf16 on CPU
 def test_bf16_sr_eval_loss_after_30_steps_matches_fp32_master_weights(demo_assets, tmp_path):
     mixed = train(demo_assets, torch.float32, True, tmp_path / "mixed", steps=30, lr=2e-4, evaluate=True)  # bf16-mixed
     rounded = train(demo_assets, torch.bfloat16, True, tmp_path / "sr", sr=True, steps=30, lr=2e-4, evaluate=True)

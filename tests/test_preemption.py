@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, committed_steps, job_env, run_job, start_job, termination_message, wait_for, with_faults
 
+pytestmark = pytest.mark.slow  # every test starts the demo job in a subprocess (and most train it)
+
 STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2")
 SLOW = {"seconds_per_step": "0.15"}  # tests/faults: a signal lands while the (otherwise very fast) demo trains
 
