@@ -13,13 +13,15 @@ environment to parse again (see trainer/launch.py and the README's exit codes).
 import os
 import sys
 
-from trainer import config, errors, launch, platforms, settings
+from trainer import cluster, config, errors, launch, platforms, settings
 
 
 def main() -> int:
     stops = launch.StopForwarder()  # first: a stop during start-up is answered, never lost
     platform, implied = platforms.detect(os.environ)
     print(platforms.describe(platform, implied), flush=True)
+    if line := cluster.describe(*cluster.detect(os.environ)):
+        print(line, flush=True)
     # Until the settings parse, the termination message goes where the raw variables (or the platform) say.
     errors.set_termination_message_path({**implied, **os.environ}.get("FT_TERMINATION_MESSAGE_PATH", errors.DEFAULT_TERMINATION_LOG))
     try:

@@ -20,6 +20,7 @@ import time
 
 from transformers import TrainerCallback
 
+from trainer import ranks
 from trainer.config import Config
 from trainer.errors import ConfigError
 from trainer.volume import Volume, read_json, write_json
@@ -95,9 +96,12 @@ class CommitCheckpoints(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        commit(folder, state.global_step)
-        rotate(args.output_dir, self.keep, state.best_model_checkpoint)
-        print(f"fulltune: committed checkpoint at step {state.global_step}: {folder}", flush=True)
+        ranks.barrier()  # every rank has written its part (its RNG state; its shards under FSDP)
+        if ranks.is_main():  # one manifest, written last, by one rank
+            commit(folder, state.global_step)
+            rotate(args.output_dir, self.keep, state.best_model_checkpoint)
+            print(f"fulltune: committed checkpoint at step {state.global_step}: {folder}", flush=True)
+        ranks.barrier()  # no rank goes on, or stops, before the checkpoint counts
 
 
 # -- What the checkpoints on a volume belong to ------------------------------------------------
@@ -122,4 +126,5 @@ def check_fingerprint(config: Config) -> None:
             )
         if differences:
             print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
-    write_json(path, current)
+    if ranks.is_main():
+        write_json(path, current)

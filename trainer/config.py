@@ -101,6 +101,11 @@ class Config:
     settings: Settings
     cuda: bool
     precision: Precision
+    processes_per_node: int = 1  # FT_NUM_PROCESSES, 0 resolved to the visible GPUs (1 on CPU)
+
+    @property
+    def world_size(self) -> int:
+        return self.processes_per_node * self.settings.num_nodes
 
     @property
     def run_name(self) -> str:
@@ -110,27 +115,36 @@ class Config:
         """What the checkpoints on a volume belong to: every setting that changes the result, with the
         precision as resolved on this machine (`auto` means different things on CPU and GPU)."""
         values = settings_table.changing(self.settings, ("data", "training"))
-        del values["precision"]
-        return {f"FT_{name.upper()}": str(value) for name, value in values.items()} | {"precision": self.precision.name}
+        for resolved_here in ("precision", "num_processes", "num_nodes"):
+            del values[resolved_here]
+        fingerprint = {f"FT_{name.upper()}": str(value) for name, value in values.items()} | {"precision": self.precision.name}
+        if self.world_size > 1:  # the global batch grows with the processes (recorded only then: one-process volumes stay as they were)
+            fingerprint["world_size"] = str(self.world_size)
+        return fingerprint
 
     def to_json(self) -> str:
-        return json.dumps({"settings": dataclasses.asdict(self.settings), "cuda": self.cuda, "precision": self.precision.name})
+        return json.dumps({"settings": dataclasses.asdict(self.settings), "cuda": self.cuda, "precision": self.precision.name, "processes_per_node": self.processes_per_node})
 
     @classmethod
     def from_json(cls, text: str) -> Config:
         data = json.loads(text)
-        return cls(Settings(**data["settings"]), data["cuda"], PRECISIONS[data["precision"]])
+        return cls(Settings(**data["settings"]), data["cuda"], PRECISIONS[data["precision"]], data["processes_per_node"])
 
 
 def build(settings: Settings, cuda: bool | None = None, bf16_supported: bool | None = None) -> Config:
     """Derive the job's configuration from validated settings; the device is probed unless given (tests)."""
+    gpus = 0
     if cuda is None:
         import torch
 
         cuda = torch.cuda.is_available()
         bf16_supported = cuda and torch.cuda.is_bf16_supported()
+        gpus = torch.cuda.device_count() if cuda else 0
     errors.set_termination_message_path(settings.termination_message_path)
-    return Config(settings, cuda, resolve_precision(settings.precision, cuda, bool(bf16_supported)))
+    processes = settings.num_processes or max(gpus, 1)
+    if cuda and gpus and processes > gpus:
+        raise ConfigError(f"FT_NUM_PROCESSES={processes}: only {gpus} GPU(s) are visible on this node (one process per GPU)")
+    return Config(settings, cuda, resolve_precision(settings.precision, cuda, bool(bf16_supported)), processes)
 
 
 def handed_over(environ: Mapping[str, str] | None = None) -> Config:

@@ -21,7 +21,7 @@ import os
 import shutil
 from typing import Any
 
-from trainer import formats, masking, sources
+from trainer import formats, masking, ranks, sources
 from trainer import settings as settings_table
 from trainer.errors import DataError
 from trainer.settings import Settings
@@ -98,7 +98,7 @@ def prepare(settings: Settings, tokenizer: Any) -> Prepared:
     report["rows"] = {"train": len(train_set), "eval": len(eval_set) if eval_set is not None else 0}
     report["example"] = masking.show(tokenizer, train_set[0]["input_ids"], train_set[0]["labels"])
     _write_report(settings, report)
-    if settings.data_cache:
+    if settings.data_cache and ranks.is_main():
         _save_cache(cache, train_set, eval_set, report)
     return Prepared(train_set, eval_set, report)
 
@@ -226,8 +226,10 @@ def report_text(report: dict) -> str:
 
 
 def _write_report(settings: Settings, report: dict) -> str:
-    os.makedirs(settings.output_dir, exist_ok=True)
     path = Volume(settings.output_dir).data_report
+    if not ranks.is_main():  # the others only read what rank 0 wrote
+        return path
+    os.makedirs(settings.output_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(report_text(report))
     print("fulltune: data: " + report_text(report).rstrip().replace("\n", "\nfulltune: data: "), flush=True)

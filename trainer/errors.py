@@ -105,6 +105,21 @@ def write_termination_message(message: str) -> None:
         pass  # Not writable outside Kubernetes (e.g. /dev/termination-log on a laptop).
 
 
+EXIT_FILE = "FULLTUNE_EXIT_FILE"  # set by launch.py for several processes: torchrun reports any failure as 1
+
+
+def record_exit(code: int) -> None:
+    """Leave this rank's exit code where launch.py reads it (`<file>.<local rank>`), so the job's code survives torchrun."""
+    path = os.environ.get(EXIT_FILE)
+    if not path:
+        return
+    try:
+        with open(f"{path}.{os.environ.get('LOCAL_RANK', '0')}", "w", encoding="utf-8") as f:
+            f.write(f"{code}\n")
+    except OSError:
+        pass  # the exit code still reaches torchrun
+
+
 def exit_code_for(error: BaseException) -> int:
     """Map any exception to the documented exit code, print one line, and leave a termination message."""
     if isinstance(error, FulltuneError):

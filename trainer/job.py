@@ -5,45 +5,50 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, memory, model, preemption, progress, recipe, tracking
+from trainer import checkpoints, data, demo, memory, model, preemption, progress, ranks, recipe, tracking
 from trainer import config as job_config
 from trainer.config import Config
-from trainer.errors import Preempted, exit_code_for
+from trainer.errors import Preempted, exit_code_for, record_exit
 from trainer.volume import Volume, staged
 
 
 def run(config: Config) -> None:
     settings = config.settings
     stopper = preemption.StopOnSignal(settings.stop_deadline_seconds)  # first: a stop during loading is seen
+    ranks.start(config)  # several processes: join them, and check they all run this configuration
     volume = Volume(settings.output_dir)
     status = volume.status()
     if done := status.done(registering=bool(settings.registered_model)):
         print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
     if status.final_model:  # trained and saved by an earlier attempt whose registration failed (exit 3)
-        tracking.configure(settings)
-        with tracking.job_run(config):
-            _register(config, volume, status.metadata)
+        if ranks.is_main():
+            tracking.configure(settings)
+            with tracking.job_run(config):
+                _register(config, volume, status.metadata)
         return
 
     if settings.preset == "demo":
-        demo.ensure_demo(settings.output_dir)
+        ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
     tokenizer = model.load_tokenizer(settings)
-    prepared = data.prepare(settings, tokenizer)  # every row checked and tokenized; exit 2 before anything else is written
+    prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     checkpoints.check_fingerprint(config)
-    _print_plan(config, prepared)
+    _print_plan(config, prepared, plan)
     tracking.configure(settings)
     with tracking.job_run(config):
         tracking.log(**data.tracked(prepared.report))
-        trained = train(config, tokenizer, prepared, plan, stopper)
-        metadata = save_final(config, trained, tokenizer, volume)
-        volume.mark_saved(metadata)
-        print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
-        _register(config, volume, metadata)
+        trainer = train(config, tokenizer, prepared, plan, stopper)
+        metadata = save_final(config, trainer, tokenizer, volume)
+        if ranks.is_main():
+            volume.mark_saved(metadata)
+            print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
+            _register(config, volume, metadata)
 
 
 def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, net: Any = None, callbacks: tuple = ()) -> Any:
@@ -75,9 +80,10 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
 
 
 def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal) -> Any:
-    """Train from the newest committed checkpoint (or step 0); return the best model.  A stop raises Preempted."""
+    """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
+    raises Preempted (on every rank: they agree on the step, trainer/preemption.py)."""
     volume = Volume(config.settings.output_dir)
-    resume = checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete)
+    resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete))  # rank 0 sets cut-short saves aside
     if stopper.requested:
         raise Preempted("stopped before training started; the committed checkpoints are unchanged")
     trainer = build_trainer(config, tokenizer, prepared, plan, callbacks=(stopper,))
@@ -85,11 +91,15 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
     trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
         raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
-    return trainer.model
+    return trainer
 
 
-def save_final(config: Config, net: Any, tokenizer: Any, volume: Volume) -> dict[str, str]:
-    """Save the best model once, in its serving precision, as an MLflow transformers model (tracking.save_model)."""
+def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume) -> dict[str, str]:
+    """Save the best model once, whole (whatever the sharding was), in its serving precision, as an MLflow
+    transformers model (tracking.save_model).  Rank 0 writes; under FSDP every rank first helps gather it."""
+    net = _whole_model(trainer, volume)
+    if not ranks.is_main():
+        return {}
     net = net.to(config.precision.dtype("serving"))  # bf16 after bf16 training: half the size of the fp32 master copy
     n_params = sum(p.numel() for p in net.parameters())
     settings = config.settings
@@ -102,7 +112,20 @@ def save_final(config: Config, net: Any, tokenizer: Any, volume: Volume) -> dict
     }
     with staged(volume.final) as partial:
         tracking.save_model(net, tokenizer, partial, metadata)
+    shutil.rmtree(volume.gathered, ignore_errors=True)
     return metadata
+
+
+def _whole_model(trainer: Any, volume: Volume) -> Any:
+    """The trained model with every weight in one process: as it is, or gathered from its FSDP shards."""
+    if not trainer.is_fsdp_enabled:
+        return trainer.model
+    from transformers import AutoModelForCausalLM
+
+    gathered = volume.gathered
+    trainer.save_model(gathered)  # every rank sends its shards; rank 0 writes one safetensors folder (FULL_STATE_DICT)
+    ranks.barrier()
+    return AutoModelForCausalLM.from_pretrained(gathered) if ranks.is_main() else None
 
 
 def _register(config: Config, volume: Volume, metadata: dict[str, str]) -> None:
@@ -113,15 +136,17 @@ def _register(config: Config, volume: Volume, metadata: dict[str, str]) -> None:
     print(f"fulltune: registered {version}", flush=True)
 
 
-def _print_plan(config: Config, prepared: data.Prepared) -> None:
+def _print_plan(config: Config, prepared: data.Prepared, plan: memory.Plan) -> None:
     """What a user would otherwise work out by hand, printed once."""
     settings = config.settings
-    effective = settings.batch_size * settings.gradient_accumulation_steps
+    per_rank = settings.batch_size * settings.gradient_accumulation_steps
+    effective = per_rank * config.world_size
+    ranks_line = f" x {config.world_size} processes ({plan.strategy})" if config.world_size > 1 else ""
     n_train, n_eval = len(prepared.train), len(prepared.eval) if prepared.eval is not None else 0
     print(
         "fulltune: plan\n"
         f"  model {settings.model} ({config.precision.name}), data {settings.dataset}: {n_train} train / {n_eval} validation rows\n"
-        f"  {settings.max_steps} steps x effective batch {effective} ({settings.batch_size} x {settings.gradient_accumulation_steps} accumulation)"
+        f"  {settings.max_steps} steps x effective batch {effective} ({settings.batch_size} x {settings.gradient_accumulation_steps} accumulation{ranks_line})"
         f" = {settings.max_steps * effective} sequences, {settings.max_steps * effective / max(n_train, 1):.2f} epochs,"
         f" up to {effective * settings.max_length} tokens per step\n"
         f"  eval every {settings.eval_steps} steps, checkpoint every {settings.save_steps} steps (keep {settings.save_total_limit} + best)"
@@ -132,6 +157,8 @@ def _print_plan(config: Config, prepared: data.Prepared) -> None:
 
 def main() -> int:
     """Entry of the training process: run the job entrypoint.py configured, and turn its outcome into the exit code."""
+    if not ranks.is_main():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one progress log per job: rank 0's (errors still reach stderr)
     try:
         run(job_config.handed_over())
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code
@@ -141,6 +168,9 @@ def main() -> int:
             import traceback
 
             traceback.print_exc()
-        return exit_code_for(error)
+        code = exit_code_for(error)
+        record_exit(code)
+        return code
     sys.stdout.flush()
+    record_exit(0)
     return 0

@@ -9,11 +9,14 @@ and the save-on-SIGTERM path.  So we let accelerate build the command and enviro
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
+from trainer import errors
 from trainer.config import VARIABLE
 from trainer.errors import StopAbandoned, write_termination_message
 
@@ -28,13 +31,22 @@ class StopForwarder:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.child: subprocess.Popen | None = None
+        self.group = False  # the child leads a process group (torchrun and its workers)
+        self.abandoned = False
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._forward)
 
     def _forward(self, signum: int, _frame: object) -> None:
         self.received.append(signum)
-        if self.child is not None:
-            self.child.send_signal(signum)  # the child saves a checkpoint and exits 75 (see trainer/preemption.py)
+        if self.child is None:
+            return
+        if self.group and len(self.received) > 1:
+            # torchrun forwards one signal only; a second one means "give up the save": end every worker now.
+            # The checkpoint being written has no manifest, so the last committed one stays the one to resume.
+            self.abandoned = True
+            os.killpg(self.child.pid, signal.SIGKILL)
+            return
+        self.child.send_signal(signum)  # the child saves a checkpoint and exits 75 (see trainer/preemption.py)
 
 
 def accelerate_command(use_cpu: bool) -> tuple[list[str], dict[str, str]]:
@@ -47,16 +59,56 @@ def accelerate_command(use_cpu: bool) -> tuple[list[str], dict[str, str]]:
     return prepare_simple_launcher_cmd_env(args)
 
 
+def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
+    """Several processes: the torchrun command and environment `accelerate launch --multi_gpu` would use.
+
+    accelerate runs torchrun inside its own process (`multi_gpu_launcher`) and on CPU falls back to MPI; we take
+    its environment (`prepare_multi_gpu_env`) and its argument mapping (`_filter_args`) and run torchrun as our
+    child, for the same reason as above.  torchrun forwards SIGTERM to every worker once, and waits for them
+    `--shutdown-timeout` seconds (the stop deadline and some) before it kills them.
+    """
+    import torch.distributed.run as torchrun
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils.launch import _filter_args, prepare_multi_gpu_env
+
+    s = config.settings
+    argv = ["--multi_gpu", "--num_processes", str(config.world_size), "--num_machines", str(s.num_nodes), "--machine_rank", str(s.node_rank)]
+    argv += ["--main_process_ip", s.master_addr or "127.0.0.1", "--main_process_port", str(s.master_port), "--same_network"]
+    argv += ["--mixed_precision", "no", "--dynamo_backend", "no", "--max_restarts", "0", "-m", "trainer"]
+    args = launch_command_parser().parse_args(argv)
+    env = prepare_multi_gpu_env(args)  # also sets nproc_per_node, nnodes, node_rank, master_addr/port on `args`
+    if env.get("OMP_NUM_THREADS") == "None":  # accelerate writes an unset thread count as "None"; torchrun then picks 1 per process
+        del env["OMP_NUM_THREADS"]
+    if s.num_nodes == 1:  # one node: rank 0 is here, whatever FT_MASTER_ADDR says
+        args.master_addr = "127.0.0.1"
+    chosen = vars(_filter_args(args, torchrun.get_args_parser(), ["--training_script", "trainer"]))
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    for name in ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "max_restarts"):
+        if chosen.get(name) not in (None, ""):
+            cmd.append(f"--{name}={chosen[name]}")
+    cmd += [f"--shutdown_timeout={s.stop_deadline_seconds + 30}", "--signals_to_handle=SIGTERM,SIGINT", "--module", "trainer"]
+    return cmd, env
+
+
 def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     """Run the job in a child process with `config` (trainer/config.py), forward stop signals, return its exit code."""
-    cmd, env = accelerate_command(use_cpu=not config.cuda)
+    several = config.world_size > 1
+    cmd, env = torchrun_command(config) if several else accelerate_command(use_cpu=not config.cuda)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `-m trainer` resolves from any working directory
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env[VARIABLE] = config.to_json()  # the child runs with what was validated here, not with its own reading of FT_*
+    outcome = tempfile.mkdtemp(prefix="fulltune-exit-")
+    env[errors.EXIT_FILE] = os.path.join(outcome, "rank")  # each local rank leaves its exit code there (torchrun reports only 1)
     returncode = 0
     if not stops.received:
-        stops.child = subprocess.Popen(cmd, env=env)
+        stops.child = subprocess.Popen(cmd, env=env, start_new_session=several)  # several: its own group, to end the whole tree
+        stops.group = several
         returncode = stops.child.wait()
+    if several:
+        returncode = _job_exit_code(outcome, returncode)
+    shutil.rmtree(outcome, ignore_errors=True)
+    if stops.abandoned:
+        return _report(StopAbandoned.exit_code, "second stop signal before the checkpoint was committed; a retry resumes from the last committed checkpoint")
     if stops.received and (stops.child is None or -returncode in stops.received):
         # The stop came before the training process had installed its handler: nothing new was
         # saved, the committed checkpoints are intact, and a retry resumes from them.
@@ -65,6 +117,21 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     if returncode < 0:  # killed by a signal we did not send (e.g. SIGKILL from the kernel's OOM killer)
         return _report(128 - returncode, f"training process killed by {signal.Signals(-returncode).name} (out of host memory?)")
     return returncode
+
+
+def _job_exit_code(folder: str, torchrun_code: int) -> int:
+    """The job's code as this node's ranks recorded it (local rank 0's, unless it succeeded and another failed),
+    else torchrun's own (1 when a worker failed without recording, e.g. killed)."""
+    codes = {}
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            codes[int(name.rsplit(".", 1)[1])] = int(f.read().strip() or 1)
+    failures = [code for _, code in sorted(codes.items()) if code]
+    if codes.get(0):
+        return codes[0]
+    if failures:
+        return failures[0]
+    return torchrun_code
 
 
 def _report(code: int, why: str) -> int:

@@ -52,6 +52,8 @@ class Plan:
     breakdown: dict[str, float]  # bytes, by component
     capacity: float  # bytes; 0 = no device limit (CPU)
     layers: int = 0  # decoder layers, for describing the recomputation
+    strategy: str = "none"  # how several processes share the model: none (one process), ddp or fsdp
+    processes: int = 1
 
     @property
     def peak(self) -> float:
@@ -68,8 +70,9 @@ class Plan:
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.breakdown.items())
         limit = f" of {self.capacity / GB:.1f} GB" if self.capacity else " (no device limit)"
+        sharing = {"none": "", "ddp": f"{self.processes} processes (ddp: a whole model each), per process: ", "fsdp": f"{self.processes} processes (fsdp: 1/{self.processes} of the model each), per process: "}
         return (
-            f"{self.sequences_per_pass} sequences x {self.passes_per_step} passes per step, activation checkpointing "
+            f"{sharing[self.strategy]}{self.sequences_per_pass} sequences x {self.passes_per_step} passes per step, activation checkpointing "
             f"{checkpointing_label(self.checkpoint_every, self.layers)}: peak ~{self.peak / GB:.1f} GB{limit} ({parts} GB)"
         )
 
@@ -123,8 +126,13 @@ def saved_per_token(layers: int, layer_input: float, per_layer: float, every: in
     return max(end_of_forward, (kept_below_highest + RECOMPUTE_IN_FLIGHT) * per_layer + recomputed * layer_input)
 
 
-def estimate(config: Any, n_params: int, *, precision: Precision, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int) -> dict[str, float]:
-    """Peak bytes by component for one configuration (see the module docstring); `checkpoint_every` as in Plan."""
+def estimate(
+    config: Any, n_params: int, *, precision: Precision, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int, shards: int = 1
+) -> dict[str, float]:
+    """Peak bytes of one process by component (see the module docstring); `checkpoint_every` as in Plan.
+
+    `shards`: FSDP over that many processes divides weights, gradients and AdamW states, and adds the layers
+    gathered whole while they compute (this one and the next, prefetched)."""
     s = shape(config)
     act = 2 if precision.bf16 else 4
     tokens = sequences_per_pass * max_length
@@ -132,12 +140,15 @@ def estimate(config: Any, n_params: int, *, precision: Precision, sequences_per_
     activations = tokens * saved_per_token(s["layers"], 4 * s["hidden"], per_layer, checkpoint_every)
     activations += tokens * 4 * s["hidden"] * 3  # embeddings output, final norm, its gradient
     breakdown = {
-        "weights": float(precision.weight_bytes * n_params),
-        "gradients": float(precision.gradient_bytes * n_params),
-        "optimizer": float(precision.optimizer_bytes * n_params),
+        "weights": float(precision.weight_bytes * n_params) / shards,
+        "gradients": float(precision.gradient_bytes * n_params) / shards,
+        "optimizer": float(precision.optimizer_bytes * n_params) / shards,
     }
+    if shards > 1:
+        layer_params = (n_params - s["vocab"] * s["hidden"]) / s["layers"]
+        breakdown["gathered layers"] = 2 * layer_params * (precision.weight_bytes + precision.gradient_bytes)
     if precision.autocast_copies and (checkpoint_every != 1 or passes_per_step > 1):
-        breakdown["bf16 copies"] = 2.0 * n_params
+        breakdown["bf16 copies"] = 2.0 * n_params / shards
     breakdown["activations"] = float(activations)
     breakdown["loss"] = float(min(tokens, LOSS_TILE_TOKENS) * min(s["vocab"], LOSS_TILE_VOCAB) * 4 * 3)
     if precision.bf16:  # only on GPU (bf16-sr on CPU: a small overestimate): CUDA context and allocator slack
@@ -145,11 +156,22 @@ def estimate(config: Any, n_params: int, *, precision: Precision, sequences_per_
     return breakdown
 
 
-def plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str) -> Plan:
-    """Fewest forward passes per step, then the least recomputation, that fit `capacity` (0 = no limit).
+def plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1) -> Plan:
+    """The cheapest sharing of the model (none for one process; `auto`: ddp, else fsdp), then the fewest forward
+    passes per step, then the least recomputation, that fit `capacity` (0 = no limit) in each process.
 
     `checkpointing` is FT_ACTIVATION_CHECKPOINTING; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
     """
+    if processes == 1:
+        strategies = ["none"]
+    else:
+        strategies = {"auto": ["ddp", "fsdp"], "none": ["ddp"], "ddp": ["ddp"], "fsdp": ["fsdp"]}[settings.distributed]
+    chosen = [_plan(config, n_params, settings, precision, capacity, checkpointing, strategy, processes) for strategy in strategies]
+    return next((c for c in chosen if c.fits), chosen[-1])
+
+
+def _plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, strategy: str, processes: int) -> Plan:
+    shards = processes if strategy == "fsdp" else 1
     effective = settings.batch_size * settings.gradient_accumulation_steps
     if settings.batch_layout == "as-set":
         layouts = [(settings.batch_size, settings.gradient_accumulation_steps)]
@@ -159,8 +181,10 @@ def plan(config: Any, n_params: int, settings: Settings, precision: Precision, c
     candidates = []
     for per_pass, passes in layouts:
         for every in recomputation_choices(checkpointing, layers, bool(capacity)):
-            breakdown = estimate(config, n_params, precision=precision, sequences_per_pass=per_pass, passes_per_step=passes, max_length=settings.max_length, checkpoint_every=every)
-            candidates.append(Plan(per_pass, passes, every, breakdown, capacity, layers))
+            breakdown = estimate(
+                config, n_params, precision=precision, sequences_per_pass=per_pass, passes_per_step=passes, max_length=settings.max_length, checkpoint_every=every, shards=shards
+            )
+            candidates.append(Plan(per_pass, passes, every, breakdown, capacity, layers, strategy, processes))
     fitting = [c for c in candidates if c.fits]
     return fitting[0] if fitting else min(candidates, key=lambda c: c.peak)
 
@@ -180,16 +204,20 @@ def recomputation_choices(policy: str, layers: int, limited: bool) -> list[int]:
     }[policy]
 
 
-def _fixes(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float) -> list[str]:
+def _fixes(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, processes: int = 1) -> list[str]:
     """Settings that would make the job fit, each checked against the same estimate."""
     fixes = []
     for length in (settings.max_length // 2, settings.max_length // 4):
-        if length >= 256 and plan(config, n_params, dataclasses.replace(settings, max_length=length), precision, capacity, "auto").fits:
+        if length >= 256 and plan(config, n_params, dataclasses.replace(settings, max_length=length), precision, capacity, "auto", processes).fits:
             fixes.append(f"FT_MAX_LENGTH={length}")
             break
     one = dataclasses.replace(settings, batch_layout="as-set", batch_size=1, gradient_accumulation_steps=settings.batch_size * settings.gradient_accumulation_steps)
-    if plan(config, n_params, one, precision, capacity, "full").fits:
+    if plan(config, n_params, one, precision, capacity, "full", processes).fits:
         fixes.append(f"FT_BATCH_SIZE=1 FT_GRADIENT_ACCUMULATION_STEPS={one.gradient_accumulation_steps} FT_BATCH_LAYOUT=as-set FT_ACTIVATION_CHECKPOINTING=full")
+    for more in (2, 4, 8, 16, 32, 64):
+        if more > processes and plan(config, n_params, dataclasses.replace(settings, distributed="fsdp"), precision, capacity, "auto", more).fits:
+            fixes.append(f"FT_NUM_PROCESSES={more} (FSDP across {more} GPUs of this size; more than one machine's GPUs with FT_NUM_NODES)")
+            break
     if not fixes:
         per_param = precision.training_bytes
         fixes.append(f"a GPU with more memory: weights, gradients and AdamW states alone take {per_param * n_params / GB:.0f} GB ({per_param} B/param)")
@@ -241,13 +269,17 @@ def preflight(job: Config) -> Plan:
     config = model.read_config(settings)
     n_params = model.parameter_count(config)
     capacity = device_capacity(settings, cuda)
-    chosen = plan(config, n_params, settings, precision, capacity, settings.activation_checkpointing)
+    chosen = plan(config, n_params, settings, precision, capacity, settings.activation_checkpointing, job.world_size)
     print(f"fulltune: memory plan: {chosen.describe()}", flush=True)
+    if chosen.strategy == "fsdp" and not cuda:
+        # accelerate 1.15 keeps a CPU process group MULTI_CPU and ignores the FSDP plugin there (AcceleratorState):
+        # the job would silently replicate the model instead of sharding it.
+        raise ConfigError("FT_DISTRIBUTED=fsdp needs GPUs (accelerate shards only on GPUs); use FT_DISTRIBUTED=ddp or auto on CPU")
     problems = []
     if settings.preflight == "off":
         return chosen
     if not chosen.fits:
-        fixes = "; or ".join(_fixes(config, n_params, settings, precision, capacity))
+        fixes = "; or ".join(_fixes(config, n_params, settings, precision, capacity, job.world_size))
         problems.append(f"the estimated peak GPU memory does not fit: {chosen.describe()}. To fit, set {fixes} (or FT_PREFLIGHT=warn to try anyway).")
     disk = check_disk(settings, n_params, precision)
     if disk:

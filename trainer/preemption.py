@@ -15,7 +15,8 @@ import time
 
 from transformers import TrainerCallback
 
-from trainer.errors import StopAbandoned, write_termination_message
+from trainer import ranks
+from trainer.errors import StopAbandoned, record_exit, write_termination_message
 
 
 class StopOnSignal(TrainerCallback):
@@ -35,8 +36,11 @@ class StopOnSignal(TrainerCallback):
         name = signal.Signals(signum).name
         if self.requested:
             self._give_up(f"second {name} before the checkpoint was committed")
+        self._on_stop(f"{name} received")
+
+    def _on_stop(self, why: str) -> None:
         self.requested_at = time.monotonic()
-        print(f"fulltune: {name} received: saving a checkpoint at the end of this step (deadline {self.deadline_seconds} s)", flush=True)
+        print(f"fulltune: {why}: saving a checkpoint at the end of this step (deadline {self.deadline_seconds} s)", flush=True)
         timer = threading.Timer(self.deadline_seconds, self._give_up, args=(f"stop deadline of {self.deadline_seconds} s passed",))
         timer.daemon = True
         timer.start()
@@ -46,9 +50,12 @@ class StopOnSignal(TrainerCallback):
         message = f"exit {code}: {why}; a retry resumes from the last committed checkpoint"
         print(f"fulltune: {message}", flush=True)
         write_termination_message(message)
+        record_exit(code)
         os._exit(code)  # from a signal handler or timer thread: no clean-up can be trusted to finish in time
 
     def on_step_end(self, args, state, control, **kwargs):
+        if ranks.any_rank(self.requested) and not self.requested:  # another node was told to stop: stop here too
+            self._on_stop(f"a stop signal on another rank at step {state.global_step}")
         if self.requested:
             control.should_save = True
             control.should_evaluate = False

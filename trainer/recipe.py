@@ -81,6 +81,20 @@ def eval_rows(settings: Settings, rows: Any) -> Any:
     return rows.select(range(settings.eval_max_samples))
 
 
+def fsdp_config(plan: Any) -> dict[str, Any]:
+    """FSDP2, every decoder layer its own unit (the model's `_no_split_modules`), parameters resharded after each
+    layer's forward, and whole (rank 0-gathered) state dicts, so checkpoints and the final model are one
+    safetensors file that any number of processes, `from_pretrained` and vLLM can load.  Recomputation goes
+    through FSDP's own activation checkpointing (transformers' would all-gather every layer twice, #30404)."""
+    return {
+        "fsdp_version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "reshard_after_forward": True,
+        "state_dict_type": "FULL_STATE_DICT",
+        "activation_checkpointing": plan.checkpointing,
+    }
+
+
 def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool) -> Any:
     """`plan` (trainer.memory.Plan) gives the passes per step and which layers recompute their activations."""
     from trl import SFTConfig
@@ -123,8 +137,13 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool) 
         bf16=precision.bf16,  # bf16-sr: the weights are bf16 already; autocast changes nothing
         fp16=False,
         use_cpu=not cuda,
-        activation_checkpointing=plan.checkpointing,
+        activation_checkpointing=plan.checkpointing and plan.strategy != "fsdp",
         activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": plan.checkpoint_every} if plan.checkpointing else None,
+        # -- several processes
+        ddp_timeout=settings.collective_timeout_seconds,
+        ddp_find_unused_parameters=False,  # every parameter takes part in every forward: no extra autograd traversal
+        fsdp=plan.strategy == "fsdp",
+        fsdp_config=fsdp_config(plan) if plan.strategy == "fsdp" else None,
         optim=optimizer(settings, cuda),
         torch_compile=settings.compile,
         use_liger_kernel=settings.liger,

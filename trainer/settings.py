@@ -101,6 +101,14 @@ class Settings:
     stop_deadline_seconds: int = setting(270, "After SIGTERM/SIGINT the job finishes the current optimizer step and commits a checkpoint; past this many seconds it gives up (exit 76). Keep it below the platform's grace period (the Kubernetes Job: 300 s; on SageMaker, which allows 120 s, it defaults to 100).", minimum=1)
     allow_config_change: bool = setting(False, "Resume checkpoints on the volume even though model, data or hyperparameters changed since they were written.")
     termination_message_path: str = setting("/dev/termination-log", "File that receives a one-line reason on every non-zero exit (read by Kubernetes); empty = none.")
+    # -- Scaling out ---------------------------------------------------------------------------
+    num_processes: int = setting(0, "Training processes on this node, one per GPU; 0 = every visible GPU (1 on CPU). More than one (or `FT_NUM_NODES` > 1) launches through torchrun as `accelerate launch --multi_gpu` does; the effective batch becomes `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` × processes in all.", minimum=0, changes="training", group="Scaling out")
+    distributed: Literal["auto", "none", "ddp", "fsdp"] = setting("auto", "How several processes share the model. `ddp`: each holds the whole model, gradients are averaged; `fsdp`: FSDP2 full sharding, each decoder layer wrapped, weights, gradients and AdamW states divided by the number of processes; `auto`: none for one process, else `ddp` when the memory plan fits a whole model per GPU, else `fsdp`.")
+    num_nodes: int = setting(1, "Machines (pods) training together; each runs this image with the same settings and its own `FT_NODE_RANK`. Filled in from Kubeflow Trainer's `PET_NNODES`, or `WORLD_SIZE` (PyTorchJob, Volcano). Needs a volume every node mounts (ReadWriteMany).", minimum=1, changes="training")
+    node_rank: int = setting(0, "This machine's index, 0 to `FT_NUM_NODES` - 1; node 0 hosts rank 0, which logs, commits checkpoints and saves the model. Filled in from `PET_NODE_RANK`, `RANK` (PyTorchJob, Volcano) or an Indexed Job's `JOB_COMPLETION_INDEX`.", minimum=0)
+    master_addr: str = setting("", "Host name or address of node 0 (rendezvous); empty = this machine (one node). Filled in from `PET_MASTER_ADDR` or `MASTER_ADDR`; for an Indexed Job use its pod host name, `<job>-0.<headless service>`.")
+    master_port: int = setting(29500, "Port of the rendezvous on node 0. Filled in from `PET_MASTER_PORT` or `MASTER_PORT`.", minimum=1)
+    collective_timeout_seconds: int = setting(1800, "How long a rank waits in a collective (all-reduce, barrier) before the job fails: longer than the slowest save of a checkpoint or an evaluation on rank 0, which the others wait for (NCCL's watchdog would otherwise kill a healthy job; torchtune #2093, accelerate #3250).", minimum=60)
     # Not a variable: which platform's variables filled in unset settings (`platforms.py`), for the logs.
     detected_platform: str = "none"
 
@@ -180,15 +188,16 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     from environs import EnvValidationError
     from marshmallow.validate import OneOf, Range
 
-    from trainer import platforms
+    from trainer import cluster, platforms
 
     environ = dict(os.environ if environ is None else environ)
     unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in BY_ENV_NAME)
     platform, platform_env = platforms.detect(environ)  # honours FT_PLATFORM itself
-    layered = {**platform_env, **environ}
+    _, cluster_env = cluster.detect(environ)
+    layered = {**platform_env, **cluster_env, **environ}
     preset = layered.get("FT_PRESET", "none")
     output_dir = layered.get("FT_OUTPUT_DIR", "/output")
-    layered = {**platform_env, **preset_defaults(preset, output_dir), **environ}
+    layered = {**platform_env, **cluster_env, **preset_defaults(preset, output_dir), **environ}
 
     env = _layered_env(layered)
     values = {}
@@ -242,6 +251,10 @@ def _cross_checks(values: dict[str, Any]) -> dict[str, str]:
         problems["FT_MODEL"] = "must name a hub id or a local folder"
     if not values["dataset"].strip():
         problems["FT_DATASET"] = "must name a hub id, a folder or files"
+    if values["node_rank"] >= values["num_nodes"]:
+        problems["FT_NODE_RANK"] = f"must be below FT_NUM_NODES={values['num_nodes']} (nodes are numbered from 0)"
+    if values["num_nodes"] > 1 and not values["master_addr"].strip():
+        problems["FT_MASTER_ADDR"] = "must name node 0 (its host name or address) when FT_NUM_NODES > 1"
     name = values["registered_model"]
     if name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
         problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"

@@ -25,6 +25,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer import ranks
 from trainer import settings as settings_table
 from trainer.config import Config
 from trainer.errors import ConfigError, Preempted, RegistrationFailed
@@ -44,8 +45,11 @@ def embedded() -> bool:
 _CONFIGURED_URI = os.environ.get("MLFLOW_TRACKING_URI", "")
 
 
-def configure(settings: settings_table.Settings) -> str:
-    """Point MLflow at the configured server, or at the embedded store on the volume; return the URI."""
+def configure(settings: settings_table.Settings) -> str | None:
+    """Point MLflow at the configured server, or at the embedded store on the volume; return the URI.
+    Rank 0 alone tracks (one run per job, not one per rank: mlflow #11782)."""
+    if not ranks.is_main():
+        return None
     import mlflow
 
     store = os.path.abspath(Volume(settings.output_dir).mlflow_store)
@@ -99,6 +103,9 @@ def _unsupported_store() -> ConfigError:
 @contextlib.contextmanager
 def job_run(config: Config) -> Iterator[Any]:
     """The job's one MLflow run: FINISHED on success, KILLED when stopped (a restart continues it), else FAILED."""
+    if not ranks.is_main():
+        yield None
+        return
     import mlflow
 
     run = _start_run(config)
@@ -147,6 +154,8 @@ def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
 
 def log(tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None, artifacts: dict[str, Any] | None = None) -> None:
     """Tags, step-less metrics, and artifacts (a dict is stored as JSON, a string as text) into the job's run."""
+    if not _open_runs:
+        return
     import mlflow
 
     mlflow.set_tags(tags or {})

@@ -50,6 +50,11 @@ class Volume:
         return self._path("final", "model")
 
     @property
+    def gathered(self) -> str:
+        """Several processes under FSDP: the whole model gathered from its shards, before it becomes `final`."""
+        return self._path("final.gathered")
+
+    @property
     def mlflow_store(self) -> str:
         """The embedded MLflow store (SQLite + artifacts) when no tracking server is set."""
         return self._path("mlflow")
