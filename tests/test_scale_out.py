@@ -1,0 +1,172 @@
+"""Several processes and nodes on CPU (gloo): the demo trains as one job, stops as one, resumes as one.
+
+A "node" here is an entrypoint.py process given the variables a Kubeflow Trainer TrainJob injects
+(PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...); both share one volume folder, as pods share a
+ReadWriteMany volume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from safetensors.torch import load_file
+
+from conftest import committed_steps, job_env, run_job, start_job, termination_message, wait_for, with_faults
+
+pytestmark = pytest.mark.slow  # each test trains the demo in two processes
+
+# The demo preset's 8 sequences per optimizer step: 4 x 2 in one process, 4 x 1 in each of two.
+ONE = dict(FT_PRESET="demo", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="2")
+TWO = dict(FT_PRESET="demo", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1")
+SHORT = dict(FT_MAX_STEPS="30", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10")
+# Relative, final eval loss of 2 processes against 1 with the same global batch: the per-step training
+# losses are the same sequences (DistributedSampler splits each step's batch), but each process evaluates
+# half of the validation rows and the Trainer averages per-batch means, so the eval loss is not the same
+# sum.  Measured: 2.5423 against 2.5413 (4e-4); 1 % is far below what a changed recipe moves (the demo's
+# eval loss falls 19 % between steps 20 and 40).
+EVAL_TOLERANCE = 0.01
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def eval_losses(volume: Path) -> dict[int, float]:
+    mlflow.set_tracking_uri(f"sqlite:///{volume}/mlflow/mlflow.db")
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert len(runs) == 1, "one MLflow run per job, whatever the number of processes"
+    return {m.step: m.value for m in mlflow.MlflowClient().get_metric_history(runs[0].info.run_id, "eval_loss")}
+
+
+def weights(volume: Path, name: str) -> dict:
+    return load_file(volume / name)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def node_envs(volume: Path, tmp_path: Path, **settings: str) -> list[dict[str, str]]:
+    port = str(free_port())
+    envs = []
+    for rank in (0, 1):
+        env = job_env(volume, **settings)
+        env.update(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port)
+        env.update(FT_TERMINATION_MESSAGE_PATH=str(tmp_path / f"node{rank}.termination-log"), OMP_NUM_THREADS="1")
+        envs.append(env)
+    return envs
+
+
+def start_nodes(envs: list[dict[str, str]], tmp_path: Path, name: str) -> list[subprocess.Popen]:
+    return [start_job(env, tmp_path / f"{name}-node{rank}.log") for rank, env in enumerate(envs)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one") / "volume"
+    result = run_job(job_env(out, **ONE))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def test_two_processes_train_like_one_with_the_same_global_batch(one_process, tmp_path):
+    out = tmp_path / "volume"
+    result = run_job(job_env(out, **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 x 1 accumulation x 2 processes (ddp)" in result.stdout and "effective batch 8" in result.stdout
+    assert result.stdout.count("fulltune: step=40/40 loss=") == 1  # one progress log: rank 0's
+    one, two = eval_losses(one_process), eval_losses(out)
+    assert two.keys() == one.keys() == {20, 40}
+    assert two[40] == pytest.approx(one[40], rel=EVAL_TOLERANCE)
+    print(f"final eval loss: 1 process {one[40]:.5f}, 2 processes {two[40]:.5f}")
+    assert committed_steps(out) == [20, 40]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out / "final" / "model")  # one consolidated model folder
+    assert json.loads((out / ".fulltune" / "fingerprint.json").read_text())["world_size"] == "2"
+
+
+def test_fsdp_is_refused_on_cpu_before_loading_weights(tmp_path):
+    result = run_job(job_env(tmp_path / "volume", **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp"), timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "FT_DISTRIBUTED=fsdp needs GPUs" in result.stderr
+    assert not (tmp_path / "volume" / "checkpoints").exists()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> Path:
+    """An uninterrupted two-node job: the reference for the interrupted ones."""
+    tmp_path = tmp_path_factory.mktemp("two-nodes")
+    out = tmp_path / "volume"
+    nodes = start_nodes(node_envs(out, tmp_path, **TWO, **SHORT), tmp_path, "run")
+    codes = [node.wait(timeout=600) for node in nodes]
+    assert codes == [0, 0], [(tmp_path / f"run-node{r}.log").read_text()[-3000:] for r in (0, 1)]
+    return out
+
+
+def test_two_nodes_train_one_model_in_one_run(two_nodes):
+    assert committed_steps(two_nodes) == [20, 30]
+    assert len(eval_losses(two_nodes)) == 3
+    assert (two_nodes / "final" / "model" / "model.safetensors").exists()
+    assert not (two_nodes / "final.gathered").exists()
+
+
+def test_sigterm_to_one_node_stops_both_at_the_same_step_and_the_restart_ends_as_an_uninterrupted_run(two_nodes, tmp_path):
+    out = tmp_path / "volume"
+    envs = node_envs(out, tmp_path, **TWO, **SHORT)
+    nodes = start_nodes([with_faults(env, seconds_per_step="0.2") for env in envs], tmp_path, "stopped")
+    wait_for(lambda: committed_steps(out) == [10], timeout=300, what="the first checkpoint")
+    time.sleep(0.5)
+    nodes[1].send_signal(signal.SIGTERM)  # only node 1 is preempted
+    codes = [node.wait(timeout=300) for node in nodes]
+    logs = [(tmp_path / f"stopped-node{r}.log").read_text() for r in (0, 1)]
+    assert codes == [75, 75], logs
+    stop_step = max(committed_steps(out))
+    assert stop_step > 10 and committed_steps(out) == [10, stop_step]  # one new checkpoint, committed once
+    for rank in (0, 1):
+        assert f"checkpoint at step {stop_step} committed" in termination_message(envs[rank])
+    assert "a stop signal on another rank" in logs[0] or "SIGTERM" in logs[0]
+
+    restarted = start_nodes(envs, tmp_path, "restarted")
+    assert [node.wait(timeout=600) for node in restarted] == [0, 0]
+    assert f"resuming from {out}/checkpoints/checkpoint-{stop_step}" in (tmp_path / "restarted-node0.log").read_text()
+    for name in ("checkpoints/checkpoint-30/model.safetensors", "final/model/model.safetensors"):
+        difference = max_difference(weights(two_nodes, name), weights(out, name))
+        print(f"{name}: max abs difference {difference:g}")
+        assert difference <= 1e-5, name
+
+
+def test_a_rank_that_dies_fails_the_whole_job_fast(tmp_path):
+    out = tmp_path / "volume"
+    envs = node_envs(out, tmp_path, **TWO, **SHORT)
+    nodes = start_nodes([with_faults(env, seconds_per_step="0.2") for env in envs], tmp_path, "killed")
+    wait_for(lambda: committed_steps(out) == [10], timeout=300, what="the first checkpoint")
+    worker = _training_process(nodes[1].pid)
+    killed_at = time.monotonic()
+    os.kill(worker, signal.SIGKILL)  # node 1's rank dies (OOM killer, hardware fault)
+    codes = [node.wait(timeout=180) for node in nodes]
+    took = time.monotonic() - killed_at
+    assert codes[0] not in (0, 75) and codes[1] not in (0, 75), codes
+    assert took < 120, f"the surviving node needed {took:.0f} s to fail"
+    print(f"exit codes {codes}, {took:.1f} s after the SIGKILL")
+    assert committed_steps(out)[0] == 10  # the committed checkpoint is intact
+
+
+def _training_process(entrypoint_pid: int) -> int:
+    """The `python -m trainer` worker under a node's entrypoint.py -> torchrun."""
+    children = subprocess.run(["pgrep", "-f", "-P", str(entrypoint_pid), "torch.distributed.run"], capture_output=True, text=True).stdout.split()
+    assert children, "no torchrun under the node's entrypoint.py"
+    workers = subprocess.run(["pgrep", "-P", children[0]], capture_output=True, text=True).stdout.split()
+    assert workers, "no training process under torchrun"
+    return int(workers[0])
