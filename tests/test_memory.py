@@ -155,3 +155,21 @@ def test_disk_check_names_the_settings_when_checkpoints_do_not_fit(tmp_path):
     problem = memory.check_disk(settings, n_params=10**12, precision=PRECISIONS["bf16-mixed"])  # a 1T model: 12 TB per checkpoint
     assert problem and "FT_SAVE_TOTAL_LIMIT" in problem and "FT_SAVE_STEPS" in problem
     assert memory.check_disk(settings, n_params=1000, precision=PRECISIONS["bf16-mixed"]) is None
+
+
+def test_a_model_too_big_for_one_gpu_is_told_how_many_gpus_fit_it_and_they_do(tmp_path):
+    """Qwen3-8B (weights, gradients and AdamW states alone: 131 GB) on 80 GB H100s: the preflight names the GPUs."""
+    from trainer import config as job_config
+    from trainer import settings as settings_table
+    from trainer.errors import ConfigError
+
+    env = {"FT_MODEL": str(ROOT / "bench" / "configs" / "qwen3-8b"), "FT_OUTPUT_DIR": str(tmp_path), "FT_GPU_MEMORY_GB": "85.5", "FT_PLATFORM": "none"}
+    one = job_config.build(settings_table.load(env), cuda=True, bf16_supported=True)
+    with pytest.raises(ConfigError, match=r"FT_NUM_PROCESSES=4 \(FSDP across 4 GPUs"):
+        memory.preflight(one)
+    four = job_config.build(settings_table.load(env | {"FT_NUM_PROCESSES": "4", "FT_PREFLIGHT": "warn"}), cuda=True, bf16_supported=True)
+    chosen = memory.preflight(four)
+    assert (chosen.strategy, chosen.processes) == ("fsdp", 4) and chosen.fits
+    assert chosen.breakdown["weights"] + chosen.breakdown["gradients"] + chosen.breakdown["optimizer"] == pytest.approx(16 * 8_190_735_360 / 4, rel=1e-3)
+    two = job_config.build(settings_table.load(env | {"FT_NUM_PROCESSES": "2", "FT_PREFLIGHT": "warn"}), cuda=True, bf16_supported=True)
+    assert not memory.preflight(two).fits  # 2 shards are not enough: 4 is the smallest
