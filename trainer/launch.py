@@ -24,7 +24,13 @@ def accelerate_command(use_cpu: bool) -> tuple[list[str], dict[str, str]]:
     argv = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     argv += ["--cpu"] if use_cpu else []
     args = launch_command_parser().parse_args([*argv, "-m", "trainer"])
-    return prepare_simple_launcher_cmd_env(args)
+    cmd, env = prepare_simple_launcher_cmd_env(args)
+    # accelerate writes the thread count it was given, str(None) when none was (libgomp then complains and
+    # falls back): the training process keeps the caller's OMP_NUM_THREADS, or torch's default without one.
+    env.pop("OMP_NUM_THREADS", None)
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    return cmd, env
 
 
 def run_under_accelerate(config: Any) -> int:
