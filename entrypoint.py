@@ -12,7 +12,7 @@ return its exact exit code (see trainer/launch.py and the README's exit codes).
 import os
 import sys
 
-from trainer import errors, platforms, settings
+from trainer import errors, platforms, settings, volume
 
 
 def main() -> int:
@@ -21,6 +21,7 @@ def main() -> int:
     print(platforms.describe(platform, implied), flush=True)
     try:
         config = settings.load(os.environ)
+        volume.check_writable(config.output_dir)  # before any model or data is loaded
     except errors.FulltuneError as error:
         return errors.exit_code_for(error)
     from trainer import launch  # imports accelerate (and torch): only after the settings are valid

@@ -1,0 +1,34 @@
+"""The output volume: can the job write it.
+
+The volume usually outlives the job and is read by someone else: a serving pod, a notebook or a copy
+job that runs under another uid on the same PersistentVolumeClaim.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from trainer.errors import ConfigError
+
+
+def check_writable(output_dir: str) -> None:
+    """Fail in a second (exit 2) when the job's user cannot write FT_OUTPUT_DIR, naming the fix.
+
+    The usual cause is a volume owned by root or by the host user while the image runs as uid 10001;
+    without this check the job would load the model and data first and fail at its first write.
+    """
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".fulltune-write-check-", dir=output_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as error:
+        uid, gid = os.getuid(), os.getgid()
+        raise ConfigError(
+            f"FT_OUTPUT_DIR={output_dir} is not writable by this process (uid {uid}, gid {gid}): {error.strerror}. "
+            f"Give uid {uid} write access to the volume: on Kubernetes set the pod's securityContext.fsGroup (e.g. fsGroup: {gid}); "
+            f"with docker run, mount a folder owned by uid {uid} (`chown {uid}:{gid} FOLDER` on the host) "
+            "or run as the folder's owner (`docker run --user \"$(id -u):$(id -g)\"`)."
+        ) from error
+
