@@ -1,13 +1,15 @@
-"""The output volume: a job that cannot write it stops at once.
+"""The output volume: a job that cannot write it stops at once; what it writes, other uids can read.
 
 The tests run as root, which may write anything: the cases that need another user run in a forked
-process that has dropped to uid 65534 (nobody).
+process that has dropped to uid 65534 (nobody), or, for files, copy them as that uid.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -77,3 +79,34 @@ def test_entrypoint_exits_2_within_seconds_when_the_output_folder_cannot_be_crea
     assert f"FT_OUTPUT_DIR={tmp_path}/not-a-folder/output is not writable" in result.stderr
     assert "Traceback" not in result.stderr
 
+
+def _modes(folder: Path) -> set[tuple[str, str]]:
+    return {("dir" if p.is_dir() else "file", stat.filemode(p.stat().st_mode)) for p in [folder, *folder.rglob("*")]}
+
+
+@pytest.mark.slow
+def test_the_final_model_and_checkpoints_are_readable_by_another_uid(shared_tmp):
+    out = shared_tmp / "volume"
+    env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="4", FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_REGISTERED_MODEL="")
+    previous = os.umask(0o022)  # the usual umask, inherited by the job
+    try:
+        result = run_job(env)
+    finally:
+        os.umask(previous)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Invalid value for environment variable" not in result.stderr  # libgomp, about OMP_NUM_THREADS
+    saved = [out / "final" / "model", out / "checkpoints" / "checkpoint-4"]
+    for folder in saved:
+        assert _modes(folder) == {("dir", "drwxr-xr-x"), ("file", "-rw-r--r--")}, folder
+
+    # A serving pod or a copy job under another uid: it can copy every file, and the copy loads.
+    copies = shared_tmp / "copies"
+    copies.mkdir()
+    shutil.chown(copies, NOBODY, NOBODY)
+    for folder in saved:
+        copy = subprocess.run(["cp", "-r", str(folder), str(copies / folder.name)], user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True, text=True)
+        assert copy.returncode == 0, copy.stderr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(copies / "model")
+    assert model.num_parameters() > 0 and AutoTokenizer.from_pretrained(copies / "model").chat_template

@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer import volume
 from trainer.errors import ConfigError
 
 MANIFEST = "commit.json"
@@ -44,6 +45,7 @@ def _fsync_tree(folder: str) -> dict[str, int]:
 
 def commit(folder: str, step: int) -> None:
     """Flush every file of the checkpoint, then write the manifest that makes it count."""
+    volume.follow_umask(folder)  # readable by other uids, like every other file on the volume
     sizes = _fsync_tree(folder)
     sizes.pop(MANIFEST, None)
     if os.environ.get(KILL_DURING_SAVE) == str(step):

@@ -8,7 +8,7 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, memory, model, preemption, progress, recipe, tracking
+from trainer import checkpoints, data, demo, memory, model, preemption, progress, recipe, tracking, volume
 from trainer import settings as settings_table
 from trainer.errors import Preempted, exit_code_for
 
@@ -111,6 +111,7 @@ def _save_final(settings, net, tokenizer, final_dir: str, precision: str) -> dic
         pip_requirements=_serving_requirements(),
     )
     tokenizer.save_pretrained(os.path.join(partial, "model"))
+    volume.follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(partial, final_dir)
     mlflow.log_dict(metadata, "model_metadata.json")

@@ -1,4 +1,4 @@
-"""The output volume: can the job write it.
+"""The output volume: can the job write it, and can others read what it wrote.
 
 The volume usually outlives the job and is read by someone else: a serving pod, a notebook or a copy
 job that runs under another uid on the same PersistentVolumeClaim.
@@ -32,3 +32,38 @@ def check_writable(output_dir: str) -> None:
             "or run as the folder's owner (`docker run --user \"$(id -u):$(id -g)\"`)."
         ) from error
 
+
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for a moment, in every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def follow_umask(folder: str) -> None:
+    """Give every file and folder under `folder` the mode a plain open()/mkdir() would have given it.
+
+    safetensors writes the weights through a private temporary file (mode 0600) and renames it, so
+    without this the weights, and only they, are unreadable by any other uid.  Where the volume does
+    not support chmod (some object-store mounts) the modes stay as they are.
+    """
+    mask = umask()
+    for root, dirs, files in os.walk(folder):
+        for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                try:
+                    os.chmod(path, mode & ~mask)
+                except OSError:
+                    pass
+    try:
+        os.chmod(folder, 0o777 & ~mask)
+    except OSError:
+        pass
