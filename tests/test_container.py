@@ -1,7 +1,8 @@
 """The image, run for real: exit codes, signals, the volume and the Kubernetes pod's settings, in containers.
 
 How to run these tests and which image they use: tests/containers.py.  Two full demo jobs run here: the
-pod's (uninterrupted, the reference) and one stopped and resumed; the other containers end in seconds.
+Kubernetes pod's (uninterrupted, the reference) and one started as the README's `docker run` line,
+stopped and resumed; the other containers end in seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ DEMO = {"FT_PRESET": "demo", "HF_HUB_OFFLINE": "1"}
 # steps, at least 4 s on a fast idle machine (0.05 s a step), where the stop takes well under 1 s.
 STEPS = {"FT_MAX_STEPS": "100", "FT_SAVE_STEPS": "20", "FT_EVAL_STEPS": "20"}
 OTHER_UID = 65534  # nobody: neither root nor the image's user
+HOST_UID = 1000  # a host user's uid, as `docker run --user "$(id -u):$(id -g)"` passes it; not in the image's /etc/passwd
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -151,9 +153,11 @@ def max_weight_difference(a: Path, b: Path) -> float:
     return max((left[k].float() - right[k].float()).abs().max().item() for k in left)
 
 
-def test_stop_exits_75_with_a_committed_checkpoint_and_train_resumes_to_the_uninterrupted_weights(pod, reference, shared, say):
-    out = pod_volume(shared / "stopped", pod["fs_group"])
-    job = Container(out, pod["env"], shared / "stopped.log", flags=pod["flags"])
+def test_stop_exits_75_with_a_committed_checkpoint_and_train_resumes_to_the_uninterrupted_weights(reference, shared, say):
+    # As the README's `docker run` line: --user of the folder's owner, a uid the image does not know.
+    out = containers.volume(shared / "stopped", (HOST_UID, HOST_UID))
+    flags = ("--user", f"{HOST_UID}:{HOST_UID}")
+    job = Container(out, DEMO | STEPS, shared / "stopped.log", flags=flags)
     wait_for(lambda: committed_steps(out) or job.process.poll() is not None, timeout=300, what="the first checkpoint")
     stopped_at = time.monotonic()
     job.stop()
@@ -165,7 +169,7 @@ def test_stop_exits_75_with_a_committed_checkpoint_and_train_resumes_to_the_unin
     assert stop_step < int(STEPS["FT_MAX_STEPS"]) and f"checkpoint at step {stop_step} committed" in job.output()
 
     # SageMaker starts training images as `docker run IMAGE train`: the same job, resumed from the volume.
-    resumed = Container(out, pod["env"], shared / "resumed.log", args=("train",), flags=pod["flags"])
+    resumed = Container(out, DEMO | STEPS, shared / "resumed.log", args=("train",), flags=flags)
     assert resumed.wait() == 0, resumed.output()[-4000:]
     assert f"resuming from /output/checkpoints/checkpoint-{stop_step}" in resumed.output()
     difference = max_weight_difference(reference[1] / "final" / "model" / "model.safetensors", out / "final" / "model" / "model.safetensors")
@@ -216,7 +220,9 @@ def test_a_second_signal_while_the_checkpoint_is_being_made_exits_76_at_once(sha
 
 
 def test_an_output_folder_the_images_user_cannot_write_exits_2_in_seconds_naming_the_fix(shared):
-    out = containers.volume(shared / "root-owned", (0, 0), 0o755)
+    out = shared / "root-owned"  # as a folder that `docker run -v` creates, or one made by the host user
+    out.mkdir()
+    out.chmod(0o755)
     started = time.monotonic()
     code = containers.run(out, DEMO, shared / "root-owned.log")
     seconds = time.monotonic() - started
