@@ -24,6 +24,7 @@ ENGINE = os.environ.get("FULLTUNE_ENGINE") or ("podman" if shutil.which("podman"
 IMAGE = os.environ.get("FULLTUNE_IMAGE", "")
 BUILD_ARGS = shlex.split(os.environ.get("FULLTUNE_BUILD_ARGS", ""))
 REQUIRED = os.environ.get("FULLTUNE_CONTAINER_TESTS") == "required"
+STARTED: list[Container] = []
 HOW = "build the image and name it: `docker build -t fulltune:test . && FULLTUNE_IMAGE=fulltune:test python -m pytest -m container`"
 
 
@@ -84,6 +85,7 @@ class Container:
             command += ["-e", f"{key}={value}"]
         with open(log, "w") as handle:
             self.process = subprocess.Popen([*command, *flags, IMAGE, *args], stdout=handle, stderr=subprocess.STDOUT)
+        STARTED.append(self)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -110,6 +112,12 @@ class Container:
     def remove(self) -> None:
         engine("rm", "--force", self.name)
         self.process.wait(timeout=60)
+
+
+def remove_all() -> None:
+    for container in STARTED:
+        if container.process.poll() is None:
+            container.remove()
 
 
 def run(output: Path, env: dict[str, str], log: Path, args: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> int:
