@@ -52,9 +52,13 @@ ENV PATH=/opt/venv/bin:$PATH \
 
 # Kept equal to requirements.txt's pin by a test; its own layer so that other pins can change without
 # reinstalling torch.  Another CUDA build: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# Unset, pip uses its configured index (PyPI, or the mirror in the base image's pip.conf / PIP_INDEX_URL).
+# DL3013 is ignored here only: hadolint takes the optional `${TORCH_INDEX_URL:+--index-url ...}` for an
+# unpinned package; torch is pinned.
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://pypi.org/simple
-RUN pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION" \
+ARG TORCH_INDEX_URL
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION" \
     && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'torch is a CPU build')"
 
 COPY requirements.txt /app/requirements.txt

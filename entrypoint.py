@@ -13,7 +13,7 @@ environment to parse again (see trainer/launch.py and the README's exit codes).
 import os
 import sys
 
-from trainer import cluster, config, errors, launch, platforms, settings
+from trainer import cluster, config, errors, launch, platforms, settings, volume
 
 
 def main() -> int:
@@ -25,7 +25,9 @@ def main() -> int:
     # Until the settings parse, the termination message goes where the raw variables (or the platform) say.
     errors.set_termination_message_path({**implied, **os.environ}.get("FT_TERMINATION_MESSAGE_PATH", errors.DEFAULT_TERMINATION_LOG))
     try:
-        job = config.build(settings.load(os.environ))  # build() imports torch for the device: only once the settings are valid
+        validated = settings.load(os.environ)
+        volume.check_writable(validated.output_dir)  # in a second, before any model or data is loaded
+        job = config.build(validated)  # imports torch for the device: only once the settings are valid
     except errors.FulltuneError as error:
         return errors.exit_code_for(error)
     return launch.run_under_accelerate(job, stops)

@@ -28,16 +28,49 @@ def _pins() -> dict[str, str]:
 
 def test_image_installs_exactly_requirements_txt_with_torch_as_a_cuda_build():
     instructions = dockerfile()
-    args = {arguments.split("=")[0]: arguments.split("=", 1)[1] for keyword, arguments in instructions if keyword == "ARG"}
+    args = _build_args(instructions)
     assert args["TORCH_VERSION"] == _pins()["torch"]  # the Dockerfile's torch layer and requirements.txt agree
-    pip_installs = [part.strip() for keyword, arguments in instructions if keyword == "RUN" for part in arguments.split("&&") if "pip install" in part]
-    assert pip_installs == [
-        'pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"',
+    assert _pip_installs(instructions) == [
+        'pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"',
         "pip install --no-cache-dir -r /app/requirements.txt",
     ]
     runs = " ".join(arguments for keyword, arguments in instructions if keyword == "RUN")
     assert "torch.version.cuda" in runs  # the build fails if a CPU-only torch was installed
     assert "pip check" in runs
+
+
+def _build_args(instructions) -> dict[str, str | None]:
+    """ARG NAME=default as {NAME: default}; None for an ARG without a default."""
+    args = {}
+    for keyword, arguments in instructions:
+        if keyword == "ARG":
+            name, equals, default = arguments.partition("=")
+            args[name] = default if equals else None
+    return args
+
+
+def _pip_installs(instructions) -> list[str]:
+    return [part.strip() for keyword, arguments in instructions if keyword == "RUN" for part in arguments.split("&&") if "pip install" in part]
+
+
+def _torch_pip_arguments(tmp_path, build_args: dict[str, str]) -> list[str]:
+    """The arguments pip receives from the torch layer's RUN line, run by sh with a stand-in pip."""
+    fake = tmp_path / "bin" / "pip"
+    fake.parent.mkdir(parents=True)
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake.chmod(0o755)
+    defaults = {name: default for name, default in _build_args(dockerfile()).items() if default is not None}
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", **defaults, **build_args}  # Docker exports every ARG with a value to RUN
+    (line,) = [line for line in _pip_installs(dockerfile()) if "torch==" in line]
+    result = subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True, timeout=30, check=True)
+    return result.stdout.splitlines()
+
+
+def test_torch_comes_from_pips_configured_index_unless_torch_index_url_is_given(tmp_path):
+    # A mirror or proxy set in pip.conf or PIP_INDEX_URL must apply: no index host is named by default.
+    assert _torch_pip_arguments(tmp_path / "default", {}) == ["install", "--no-cache-dir", f"torch=={_pins()['torch']}"]
+    url = "https://download.pytorch.org/whl/cu128"
+    assert _torch_pip_arguments(tmp_path / "cu128", {"TORCH_INDEX_URL": url}) == ["install", "--no-cache-dir", "--index-url", url, f"torch=={_pins()['torch']}"]
 
 
 def test_layers_go_from_system_packages_to_torch_to_requirements_to_code():

@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 from trainer import ranks
 from trainer.config import Config
 from trainer.errors import ConfigError
-from trainer.volume import Volume, read_json, write_json
+from trainer.volume import Volume, follow_umask, read_json, write_json
 
 MANIFEST = "commit.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -42,6 +42,7 @@ def _fsync_tree(folder: str) -> dict[str, int]:
 
 def commit(folder: str, step: int) -> None:
     """Flush every file of the checkpoint, then write the manifest that makes it count."""
+    follow_umask(folder)  # readable by other uids, like every other file on the volume
     sizes = _fsync_tree(folder)
     sizes.pop(MANIFEST, None)
     write_json(os.path.join(folder, MANIFEST), {"step": step, "files": sizes, "committed_at": time.time()})

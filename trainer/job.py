@@ -14,7 +14,7 @@ from trainer import checkpoints, data, demo, memory, model, preemption, progress
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for, record_exit
-from trainer.volume import Volume, staged
+from trainer.volume import Volume, follow_umask, staged
 
 
 def run(config: Config) -> None:
@@ -112,6 +112,7 @@ def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume) -> 
     }
     with staged(volume.final) as partial:
         tracking.save_model(net, tokenizer, partial, metadata)
+        follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
     shutil.rmtree(volume.gathered, ignore_errors=True)
     return metadata
 

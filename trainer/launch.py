@@ -56,7 +56,17 @@ def accelerate_command(use_cpu: bool) -> tuple[list[str], dict[str, str]]:
     argv = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     argv += ["--cpu"] if use_cpu else []
     args = launch_command_parser().parse_args([*argv, "-m", "trainer"])
-    return prepare_simple_launcher_cmd_env(args)
+    cmd, env = prepare_simple_launcher_cmd_env(args)
+    _keep_thread_count(env)
+    return cmd, env
+
+
+def _keep_thread_count(env: dict[str, str]) -> None:
+    """accelerate writes the thread count it was given, str(None) when none was (libgomp then complains and
+    falls back): the training processes keep the caller's OMP_NUM_THREADS, or their launcher's default."""
+    env.pop("OMP_NUM_THREADS", None)
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
 
 
 def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
@@ -77,8 +87,7 @@ def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
     argv += ["--mixed_precision", "no", "--dynamo_backend", "no", "--max_restarts", "0", "-m", "trainer"]
     args = launch_command_parser().parse_args(argv)
     env = prepare_multi_gpu_env(args)  # also sets nproc_per_node, nnodes, node_rank, master_addr/port on `args`
-    if env.get("OMP_NUM_THREADS") == "None":  # accelerate writes an unset thread count as "None"; torchrun then picks 1 per process
-        del env["OMP_NUM_THREADS"]
+    _keep_thread_count(env)  # torchrun then gives each process 1 thread unless the caller chose
     if s.num_nodes == 1:  # one node: rank 0 is here, whatever FT_MASTER_ADDR says
         args.master_addr = "127.0.0.1"
     chosen = vars(_filter_args(args, torchrun.get_args_parser(), ["--training_script", "trainer"]))
