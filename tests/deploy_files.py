@@ -11,6 +11,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 OVERLAYS = ("generic", "gke", "eks")
+# Scaling out: one 8-GPU machine, and two of them as an Indexed Job (no operator) or a Kubeflow Trainer TrainJob.
+SCALE_OVERLAYS = ("8-gpu", "indexed-job", "trainjob")
 # checkov and azure-ai-ml pin versions that clash with the runtime stack, so .ci/run installs them here.
 VALIDATORS_VENV = REPO / ".venv-deploy"
 
@@ -87,3 +91,73 @@ def one(objects: list[dict], kind: str) -> dict:
     matches = [o for o in objects if o["kind"] == kind]
     assert len(matches) == 1, f"expected one {kind}, found {len(matches)}"
     return matches[0]
+
+
+def pod_failure_rule(job: dict, container: str, exit_code: int | None = None, conditions=()) -> tuple[int, dict] | None:
+    """The podFailurePolicy rule (index, rule) the Job controller applies to a failed pod, or None (then: Count).
+
+    Rules are tried in order; `conditions` are the pod's (type, status) pairs, e.g. ("DisruptionTarget", "True").
+    """
+    for index, rule in enumerate(job["spec"]["podFailurePolicy"]["rules"]):
+        codes = rule.get("onExitCodes")
+        if codes and exit_code is not None and codes.get("containerName") in (None, container):
+            if (exit_code in codes["values"]) == (codes["operator"] == "In"):
+                return index, rule
+        for condition in rule.get("onPodConditions", []):
+            if (condition["type"], condition.get("status", "True")) in conditions:
+                return index, rule
+    return None
+
+
+# Kubernetes' strategic merge patch keys (patchMergeKey) for the lists these manifests patch; other lists are replaced.
+MERGE_KEYS = {"replicatedJobs": "name", "containers": "name", "initContainers": "name", "volumes": "name", "volumeMounts": "mountPath", "env": "name", "ports": "containerPort"}
+
+
+def strategic_merge(target: dict, patch: dict) -> dict:
+    """Apply a strategic merge patch in place, as far as these manifests need it: maps merge, lists of named items
+    merge item by item on their key, anything else is replaced.  (`$patch` directives are not supported.)"""
+    for key, value in patch.items():
+        current = target.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            strategic_merge(current, value)
+        elif isinstance(value, list) and isinstance(current, list) and key in MERGE_KEYS:
+            by_key = {item[MERGE_KEYS[key]]: item for item in current}
+            for item in value:
+                if item[MERGE_KEYS[key]] in by_key:
+                    strategic_merge(by_key[item[MERGE_KEYS[key]]], item)
+                else:
+                    current.append(json.loads(json.dumps(item)))
+        else:
+            target[key] = json.loads(json.dumps(value))
+    return target
+
+
+def unknown_fields(model: type, data: dict, path: str = "") -> list[str]:
+    """Every key of `data`, at any depth, that is not a field (by its JSON name) of the pydantic `model`.
+
+    The kubeflow-trainer-api models' `from_dict` drops unknown keys without a word (pydantic's default), so a
+    misspelled field would validate and then be missing on the cluster; this walks the models' field types.
+    """
+    fields = {(info.alias or name): info.annotation for name, info in model.model_fields.items()}
+    found = []
+    for key, value in data.items():
+        if key not in fields:
+            found.append(path + key)
+        else:
+            found += _unknown_in(fields[key], value, path + key)
+    return found
+
+
+def _unknown_in(annotation: typing.Any, value: typing.Any, path: str) -> list[str]:
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):  # Optional[X]
+        return [p for a in args if a is not type(None) for p in _unknown_in(a, value, path)]
+    if origin is list and isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _unknown_in(args[0], item, f"{path}[{i}]")]
+    if origin is dict and isinstance(value, dict):
+        return [p for k, v in value.items() for p in _unknown_in(args[1], v, f"{path}.{k}")]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(value, dict):
+        return unknown_fields(annotation, value, path + ".")
+    return []

@@ -10,7 +10,7 @@ import sys
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_files import OVERLAYS, REPO, dockerfile, entrypoint, image_env, one, render, tool
+from deploy_files import OVERLAYS, REPO, dockerfile, entrypoint, image_env, one, pod_failure_rule, render, tool
 
 from trainer import settings
 
@@ -97,15 +97,8 @@ def test_checkov_reports_no_failed_check_and_every_skip_gives_its_reason(checkov
 
 def _policy_action(job, exit_code=None, conditions=()):
     """What the Job controller does with a failed pod: the first matching podFailurePolicy rule, else Count."""
-    for rule in job["spec"]["podFailurePolicy"]["rules"]:
-        codes = rule.get("onExitCodes")
-        if codes and exit_code is not None and codes.get("containerName") in (None, "trainer"):
-            if (exit_code in codes["values"]) == (codes["operator"] == "In"):
-                return rule["action"]
-        for condition in rule.get("onPodConditions", []):
-            if (condition["type"], condition.get("status", "True")) in conditions:
-                return rule["action"]
-    return "Count"
+    matched = pod_failure_rule(job, "trainer", exit_code, conditions)
+    return matched[1]["action"] if matched else "Count"
 
 
 def test_pod_failure_policy_fails_at_once_on_bad_config_and_does_not_count_preemption(rendered):
