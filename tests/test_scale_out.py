@@ -138,6 +138,10 @@ def test_sigterm_to_one_node_stops_both_at_the_same_step_and_the_restart_ends_as
         assert f"checkpoint at step {stop_step} committed" in termination_message(envs[rank])
     assert "a stop signal on another rank" in logs[0] or "SIGTERM" in logs[0]
 
+    alone = run_job(job_env(out, **TWO, **SHORT), timeout=300)  # the same volume, one process: the global batch would halve
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert "world_size: '2' on the volume, None now" in alone.stderr and "FT_ALLOW_CONFIG_CHANGE" in alone.stderr
+
     restarted = start_nodes(envs, tmp_path, "restarted")
     assert [node.wait(timeout=600) for node in restarted] == [0, 0]
     assert f"resuming from {out}/checkpoints/checkpoint-{stop_step}" in (tmp_path / "restarted-node0.log").read_text()
