@@ -118,7 +118,7 @@ def check_fingerprint(config: Config) -> None:
     path = Volume(settings.output_dir).fingerprint_file
     recorded = read_json(path)
     if recorded is not None:
-        differences = [f"{k}: {recorded.get(k)!r} on the volume, {v!r} now" for k, v in current.items() if recorded.get(k) != v]
+        differences = [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now" for k in {**recorded, **current} if recorded.get(k) != current.get(k)]
         if differences and not settings.allow_config_change:
             raise ConfigError(
                 f"the checkpoints in {settings.output_dir} belong to a different configuration ("
