@@ -55,7 +55,8 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
 
     settings, cuda = config.settings, config.cuda
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
-    args = recipe.sft_config(settings, config.precision, plan, cuda)
+    eval_rows = recipe.eval_rows(settings, prepared.eval)
+    args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
     return SFTTrainer(
         model=net,
@@ -63,7 +64,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
         data_collator=recipe.collator(settings, tokenizer, cuda),
         train_dataset=prepared.train,
-        eval_dataset=recipe.eval_rows(settings, prepared.eval),
+        eval_dataset=eval_rows,
         processing_class=tokenizer,
         callbacks=[
             checkpoints.CommitCheckpoints(settings.save_total_limit),
