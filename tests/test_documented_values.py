@@ -272,6 +272,8 @@ ELSEWHERE = {
     "FT_STOP_DEADLINE_SECONDS": "test_a_stop_that_cannot_finish_in_time_exits_76",
     "FT_ALLOW_CONFIG_CHANGE": "test_allow_config_change_resumes_despite_a_changed_setting",
     "FT_TERMINATION_MESSAGE_PATH": "test_an_empty_termination_message_path_writes_nothing",
+    "FT_DIVERGENCE_PATIENCE": "test_off_with_patience_0_and_a_limit_only_counts_when_set",
+    "FT_LOSS_LIMIT": "test_a_loss_above_the_limit_stops_the_job_after_the_patience",
 }
 
 

@@ -16,6 +16,7 @@ EXIT_CODES = {
     2: "Bad configuration or bad input data. A retry cannot help: fix the named variable, file or row.",
     3: "The model was trained and saved, but registration in MLflow failed. A retry skips training and only registers.",
     4: "Out of GPU memory. A retry with the same settings cannot help: the message lists what to change.",
+    5: "Training diverged: the logged loss was NaN, infinite or above FT_LOSS_LIMIT for FT_DIVERGENCE_PATIENCE logging steps in a row, or a checkpoint's weights were not finite (that checkpoint is set aside in incomplete/, never committed). Nothing is registered and no final model is saved. A retry with the same settings cannot help: the message names the step and the last good checkpoint; lower FT_LEARNING_RATE, then resume it with FT_ALLOW_CONFIG_CHANGE=true or use a new FT_OUTPUT_DIR.",
     75: "Stopped by SIGTERM/SIGINT after committing a checkpoint. A retry resumes from it.",
     76: "Stopped by a second signal or the stop deadline before the checkpoint was committed. A retry resumes from the previous committed checkpoint.",
 }
@@ -53,6 +54,13 @@ class OutOfMemory(FulltuneError):
     """The configuration does not fit the accelerator."""
 
     exit_code = 4
+    show_traceback = False
+
+
+class Diverged(FulltuneError):
+    """The loss or the weights stopped being numbers; the same settings would diverge again."""
+
+    exit_code = 5
     show_traceback = False
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, memory, model, preemption, progress, recipe, tracking
+from trainer import checkpoints, data, demo, divergence, memory, model, preemption, progress, recipe, tracking
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for
@@ -67,10 +67,11 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         eval_dataset=eval_rows,
         processing_class=tokenizer,
         callbacks=[
-            checkpoints.CommitCheckpoints(settings.save_total_limit),
+            checkpoints.CommitCheckpoints(settings.save_total_limit, Volume(settings.output_dir).incomplete),
             *callbacks,
             tracking.MetricsCallback(),
             progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda),
+            divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit),  # last: the diverged loss is logged and printed first
         ],
     )
 

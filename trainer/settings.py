@@ -69,6 +69,8 @@ class Settings:
     warmup_steps: int = setting(10, "Linear warm-up steps.", minimum=0, changes="training")
     weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0, changes="training")
     max_grad_norm: float = setting(1.0, "Gradient clipping norm; 0 = no clipping.", minimum=0.0, changes="training")
+    divergence_patience: int = setting(3, "Stop the job (exit 5) when the logged training loss is NaN, infinite or above `FT_LOSS_LIMIT` at this many logging steps in a row; 0 = never stop for the loss. Either way a checkpoint whose weights are not finite is never committed (exit 5).", minimum=0)
+    loss_limit: float = setting(0.0, "A logged training loss above this counts towards `FT_DIVERGENCE_PATIENCE`; 0 = only NaN and infinite losses do.", minimum=0.0)
     batch_size: int = setting(1, "Sequences per forward pass as the recipe states it; with `FT_BATCH_LAYOUT=auto` only the product with `FT_GRADIENT_ACCUMULATION_STEPS` (sequences per optimizer step) is kept, and the passes are regrouped to fill the device.", minimum=1, changes="training")
     gradient_accumulation_steps: int = setting(8, "Forward passes per optimizer step; effective batch = batch size × this.", minimum=1, changes="training")
     seed: int = setting(42, "Seed for the split, the data order and initialisation.", minimum=0, changes="data")
