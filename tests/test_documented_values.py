@@ -37,9 +37,17 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, str]:
-    """Tiny datasets, one per row format, plus one with a bad row and one for validation."""
+def files(tmp_path_factory, demo_assets) -> dict[str, str]:
+    """Tiny datasets, one per row format, plus one with a bad row and one for validation; the demo model with pickle weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
     folder = tmp_path_factory.mktemp("values-data")
+    pickled = folder / "pickle-model"
+    shutil.copytree(demo_assets / "model", pickled, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(demo_assets / "model" / "model.safetensors"), pickled / "pytorch_model.bin")
     rows = demo.conversations(16, seed=3)
 
     def write(name: str, items: list) -> str:
@@ -59,6 +67,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         "text": write("text.jsonl", [{"text": f"{u} -> {a}"} for u, a in map(turns, rows)]),
         "with_bad_row": write("with_bad_row.jsonl", bad),
         "eval": write("eval.jsonl", demo.conversations(4, seed=4)),
+        "pickle_model": str(pickled),
     }
 
 
@@ -119,6 +128,10 @@ def weights_unchanged(trainer, prepared, out):
     base = AutoModelForCausalLM.from_pretrained(Path(trainer.model.name_or_path))
     for (name, before), after in zip(base.state_dict().items(), trainer.model.state_dict().values(), strict=True):
         assert after.equal(before.to(after.dtype)), name
+
+
+def loaded_from_pickle(trainer, prepared, out):
+    assert trainer.model.name_or_path.endswith("pickle-model") and (Path(trainer.model.name_or_path) / "pytorch_model.bin").exists()
 
 
 def weights_changed(trainer, prepared, out):
@@ -203,6 +216,7 @@ RUNS = {
     "defaults": ({}, evaluated_on(4)),
     "FT_PRESET=demo": ({"FT_PRESET": "demo", "FT_MODEL": None, "FT_DATASET": None, "FT_EVAL_MAX_SAMPLES": "4"}, demo_data),
     "FT_TRUST_REMOTE_CODE=true": ({"FT_TRUST_REMOTE_CODE": "true"}, None),
+    "FT_ALLOW_PICKLE_WEIGHTS=true": ({"FT_ALLOW_PICKLE_WEIGHTS": "true", "FT_MODEL": "{pickle_model}"}, loaded_from_pickle),
     "FT_EVAL_DATASET=file": ({"FT_EVAL_DATASET": "{eval}"}, evaluated_on(4)),
     "FT_EVAL_FRACTION=0": ({"FT_EVAL_FRACTION": "0"}, no_evaluation),
     "FT_DATA_FORMAT=auto(sharegpt)": ({"FT_DATASET": "{sharegpt}"}, report("format", "sharegpt")),
