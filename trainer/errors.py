@@ -12,7 +12,7 @@ import sys
 
 EXIT_CODES = {
     0: "Success: the model is saved, registered (unless FT_REGISTERED_MODEL is empty), and the run is finished.",
-    1: "Unexpected failure (a bug or an infrastructure fault). A retry may help; it resumes from the last committed checkpoint.",
+    1: "Unexpected failure: a bug or an infrastructure fault (with a traceback), or the Hugging Face hub not answering for a hub id in FT_MODEL, FT_DATASET or FT_EVAL_DATASET (within seconds, before anything is written; the message says how to run offline). A retry may help; it resumes from the last committed checkpoint.",
     2: "Bad configuration or bad input data. A retry cannot help: fix the named variable, file or row.",
     3: "The model was trained and saved, but registration in MLflow failed. A retry skips training and only registers.",
     4: "Out of GPU memory. A retry with the same settings cannot help: the message lists what to change.",
@@ -40,6 +40,13 @@ class DataError(FulltuneError):
     """The dataset cannot be read or has rows that cannot be trained on."""
 
     exit_code = 2
+    show_traceback = False
+
+
+class HubUnreachable(FulltuneError):
+    """The Hugging Face hub does not answer; a retry helps once it does (or once the settings point at local files)."""
+
+    exit_code = 1
     show_traceback = False
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, divergence, memory, model, preemption, progress, recipe, tracking
+from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, recipe, tracking
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for
@@ -31,6 +31,7 @@ def run(config: Config) -> None:
 
     if settings.preset == "demo":
         demo.ensure_demo(settings.output_dir)
+    hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
     tokenizer = model.load_tokenizer(settings)
     prepared = data.prepare(settings, tokenizer)  # every row checked and tokenized; exit 2 before anything else is written
