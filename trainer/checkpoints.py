@@ -2,7 +2,9 @@
 
 A checkpoint folder counts only once `commit.json` exists in it, parses, and lists every file with
 its size.  The manifest is written last, after every other file is flushed to disk; a folder without
-a valid manifest is a save that was cut short (transformers #35782 resumes from those).  We chose a
+a valid manifest is a save that was cut short (transformers #35782 resumes from those).  A save whose
+weights hold a NaN or an infinity is never committed: it is set aside and the job stops (exit 5), so
+every committed checkpoint is one a retry can resume from.  We chose a
 manifest over renaming a staging folder because rename is not atomic on object-store mounts (gcsfuse,
 mountpoint-s3, SageMaker's /opt/ml/checkpoints sync).
 
@@ -22,7 +24,7 @@ from transformers import TrainerCallback
 
 from trainer import ranks
 from trainer.config import Config
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, Diverged
 from trainer.volume import Volume, follow_umask, read_json, write_json
 
 MANIFEST = "commit.json"
@@ -72,12 +74,40 @@ def latest_for_resume(checkpoint_dir: str, quarantine_dir: str) -> str | None:
     """The newest committed checkpoint; incomplete ones are moved to `quarantine_dir` and reported."""
     for step, path in _checkpoints(checkpoint_dir):
         if not is_committed(path):
-            os.makedirs(quarantine_dir, exist_ok=True)
-            target = os.path.join(quarantine_dir, f"{os.path.basename(path)}.{int(time.time())}")
-            shutil.move(path, target)
+            target = set_aside(path, quarantine_dir)
             print(f"fulltune: checkpoint at step {step} was never committed (save cut short): moved to {target}", flush=True)
+    return last_committed(checkpoint_dir)
+
+
+def last_committed(checkpoint_dir: str) -> str | None:
     found = committed(checkpoint_dir)
     return found[-1][1] if found else None
+
+
+def set_aside(path: str, quarantine_dir: str, why: str = "") -> str:
+    """Move a checkpoint that must never be resumed out of the checkpoints folder (kept, never deleted)."""
+    os.makedirs(quarantine_dir, exist_ok=True)
+    target = os.path.join(quarantine_dir, f"{os.path.basename(path)}{'.' + why if why else ''}.{int(time.time())}")
+    shutil.move(path, target)
+    return target
+
+
+def nonfinite_parameters(model) -> list[str]:
+    """Names of the parameters holding a NaN or an infinity (one reduction per tensor, on its device)."""
+    import torch
+
+    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def diverged(step: int, why: str, checkpoint_dir: str) -> Diverged:
+    """Exit 5, naming the step, the last good checkpoint and what to change (the same settings diverge again)."""
+    last = last_committed(checkpoint_dir)
+    good = f"the last good checkpoint is {last}" if last else "no checkpoint was committed before it"
+    return Diverged(
+        f"training diverged at step {step}: {why}; {good}. Nothing was registered and no final model was saved. "
+        "A retry with the same settings diverges again: lower FT_LEARNING_RATE (or raise FT_WARMUP_STEPS, or check the data), "
+        "then resume with FT_ALLOW_CONFIG_CHANGE=true or start a new FT_OUTPUT_DIR."
+    )
 
 
 def rotate(checkpoint_dir: str, keep: int, best: str | None) -> None:
@@ -90,13 +120,20 @@ def rotate(checkpoint_dir: str, keep: int, best: str | None) -> None:
 
 
 class CommitCheckpoints(TrainerCallback):
-    """After transformers writes `checkpoint-N`, commit it, then apply our retention."""
+    """After transformers writes `checkpoint-N`, check its weights are finite, commit it, then apply our retention."""
 
-    def __init__(self, keep: int):
-        self.keep = keep
+    def __init__(self, keep: int, quarantine_dir: str | None = None):
+        self.keep, self.quarantine_dir = keep, quarantine_dir  # None: the volume's incomplete/ beside args.output_dir
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args, state, control, model=None, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        bad = nonfinite_parameters(model) if model is not None else []
+        if ranks.any_rank(bool(bad)):  # every rank stops here, not only those whose shard holds the NaN
+            target = folder
+            if ranks.is_main():
+                target = set_aside(folder, self.quarantine_dir or Volume(os.path.dirname(os.path.abspath(args.output_dir))).incomplete, "not-finite")
+            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            raise diverged(state.global_step, f"the weights hold NaN or infinite values ({shown or 'on another rank'}); that checkpoint is set aside in {target}", args.output_dir)
         ranks.barrier()  # every rank has written its part (its RNG state; its shards under FSDP)
         if ranks.is_main():  # one manifest, written last, by one rank
             commit(folder, state.global_step)

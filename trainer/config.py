@@ -141,10 +141,23 @@ def build(settings: Settings, cuda: bool | None = None, bf16_supported: bool | N
         bf16_supported = cuda and torch.cuda.is_bf16_supported()
         gpus = torch.cuda.device_count() if cuda else 0
     errors.set_termination_message_path(settings.termination_message_path)
+    check_device_levers(settings, cuda)
     processes = settings.num_processes or max(gpus, 1)
     if cuda and gpus and processes > gpus:
         raise ConfigError(f"FT_NUM_PROCESSES={processes}: only {gpus} GPU(s) are visible on this node (one process per GPU)")
     return Config(settings, cuda, resolve_precision(settings.precision, cuda, bool(bf16_supported)), processes)
+
+
+def check_device_levers(settings: Settings, cuda: bool) -> None:
+    """Levers this machine cannot run are exit 2 before anything loads, not an ImportError once training starts."""
+    if not settings.liger:
+        return
+    if not cuda:
+        raise ConfigError("FT_LIGER=true needs a GPU (Liger's kernels are Triton kernels); unset it on this machine")
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("FT_LIGER=true needs the liger-kernel package, which this image lacks; pip install liger-kernel in a derived image, or unset FT_LIGER")
 
 
 def handed_over(environ: Mapping[str, str] | None = None) -> Config:

@@ -10,7 +10,7 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, memory, model, preemption, progress, ranks, recipe, tracking
+from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, tracking
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for, record_exit
@@ -35,6 +35,7 @@ def run(config: Config) -> None:
 
     if settings.preset == "demo":
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
+    hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
@@ -60,7 +61,8 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
 
     settings, cuda = config.settings, config.cuda
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
-    args = recipe.sft_config(settings, config.precision, plan, cuda)
+    eval_rows = recipe.eval_rows(settings, prepared.eval)
+    args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
     return SFTTrainer(
         model=net,
@@ -68,13 +70,14 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
         data_collator=recipe.collator(settings, tokenizer, cuda),
         train_dataset=prepared.train,
-        eval_dataset=recipe.eval_rows(settings, prepared.eval),
+        eval_dataset=eval_rows,
         processing_class=tokenizer,
         callbacks=[
-            checkpoints.CommitCheckpoints(settings.save_total_limit),
+            checkpoints.CommitCheckpoints(settings.save_total_limit, Volume(settings.output_dir).incomplete),
             *callbacks,
             tracking.MetricsCallback(),
             progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda),
+            divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit),  # last: the diverged loss is logged and printed first
         ],
     )
 

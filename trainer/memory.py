@@ -259,13 +259,16 @@ def check_disk(settings: Settings, n_params: int, precision: Precision) -> str |
 
 
 def preflight(job: Config) -> Plan:
-    """Plan passes and recomputation from the model config, then check GPU memory and disk space.
+    """Check what the model would load (trainer/trust.py), plan passes and recomputation from its config, then check GPU
+    memory and disk space.
 
-    Raises ConfigError (exit 2) when either does not fit and FT_PREFLIGHT=fail.
+    Raises ConfigError (exit 2) for pickle weights or model code not allowed, and when memory or disk does not fit and
+    FT_PREFLIGHT=fail.
     """
-    from trainer import model
+    from trainer import model, trust
 
     settings, precision, cuda = job.settings, job.precision, job.cuda
+    trust.check_model(settings)  # whatever FT_PREFLIGHT says: no pickle weights, no model code, unless allowed
     config = model.read_config(settings)
     n_params = model.parameter_count(config)
     capacity = device_capacity(settings, cuda)

@@ -58,7 +58,9 @@ def load_model(settings: Settings, tokenizer: Any, precision: Precision) -> Any:
     see trainer/config.py) and fit the embeddings to the tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=precision.dtype(), **hub_kwargs(settings))
+    # safetensors only, unless FT_ALLOW_PICKLE_WEIGHTS (trainer/trust.py checked the files in the preflight)
+    use_safetensors = None if settings.allow_pickle_weights else True
+    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=precision.dtype(), use_safetensors=use_safetensors, **hub_kwargs(settings))
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # ChatML tokens were added
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
     model.config.pad_token_id = tokenizer.pad_token_id

@@ -95,8 +95,12 @@ def fsdp_config(plan: Any) -> dict[str, Any]:
     }
 
 
-def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool) -> Any:
-    """`plan` (trainer.memory.Plan) gives the passes per step and which layers recompute their activations."""
+def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, evaluate: bool = True) -> Any:
+    """`plan` (trainer.memory.Plan) gives the passes per step and which layers recompute their activations.
+
+    `evaluate`: there are validation rows.  Without them (`FT_EVAL_FRACTION=0` and no other validation data)
+    nothing is evaluated and the final model is the last step's, not the best by eval loss.
+    """
     from trl import SFTConfig
 
     return SFTConfig(
@@ -110,19 +114,20 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool) 
         max_steps=settings.max_steps,
         warmup_steps=settings.warmup_steps,
         weight_decay=settings.weight_decay,
-        max_grad_norm=settings.max_grad_norm or None,
+        max_grad_norm=settings.max_grad_norm,  # 0 = no clipping (transformers clips only above 0; None breaks its comparison)
         seed=settings.seed,
         data_seed=settings.seed,
         # -- evaluation, checkpoints, best model
-        eval_strategy="steps",
+        eval_strategy="steps" if evaluate else "no",
         eval_steps=settings.eval_steps,
         save_strategy="steps",
         save_steps=settings.save_steps,
         save_total_limit=None,
         logging_steps=settings.logging_steps,
-        metric_for_best_model="eval_loss",
-        greater_is_better=False,
-        load_best_model_at_end=True,
+        logging_nan_inf_filter=False,  # a NaN step is logged as NaN, not as the window's average: trainer/divergence.py watches it
+        metric_for_best_model="eval_loss" if evaluate else None,
+        greater_is_better=False if evaluate else None,
+        load_best_model_at_end=evaluate,
         report_to="none",  # tracking.MetricsCallback logs into the job's one run
         # -- data
         # data.prepare() already checked, tokenized, masked (labels -100) and applied FT_MAX_LENGTH/FT_TRUNCATION

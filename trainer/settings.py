@@ -28,17 +28,21 @@ from trainer.volume import Volume
 PREFIX = "FT_"
 SECRET_NAME = re.compile(r"TOKEN|PASSWORD|SECRET|CREDENTIAL|API_KEY|ACCESS_KEY|CONNECTION_STRING", re.I)
 CHANGES = ("", "data", "training")  # what a setting changes: nothing of the result, the tokenized data, or the training
+INT_MAX = 2**31 - 1  # the largest integer setting unless its field says otherwise: every count stays a 32-bit integer downstream
+MAX_SEQUENCES_PER_STEP = 2**16  # FT_BATCH_SIZE x FT_GRADIENT_ACCUMULATION_STEPS: the memory plan tries every split of it
 
 
-def setting(default: Any, help: str, *, minimum: float | None = None, changes: str = "", group: str | None = None) -> Any:  # noqa: A002
+def setting(default: Any, help: str, *, minimum: float | None = None, maximum: int | None = None, changes: str = "", group: str | None = None) -> Any:  # noqa: A002
     """A field of `Settings`: its default and what the README says of it.
+
+    `maximum` applies to integers only (default INT_MAX); floats must be finite (no `nan`, `inf`).
 
     `changes`: "data" when it changes the checked, tokenized data (and so the result), "training" when it
     changes the computation after that; "" for cadence, paths and speed levers that keep the result.
     `group` starts a new group of the README's table at this field.
     """
     assert changes in CHANGES
-    return dataclasses.field(default=default, metadata={"help": help, "minimum": minimum, "changes": changes, "group": group})
+    return dataclasses.field(default=default, metadata={"help": help, "minimum": minimum, "maximum": maximum, "changes": changes, "group": group})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +53,14 @@ class Settings:
     preset: Literal["none", "demo"] = setting("none", "`demo` builds a tiny Qwen3 model, tokenizer and chat dataset under `FT_OUTPUT_DIR/demo` (offline, deterministic) and trains on them; any explicit `FT_*` still wins.", group="What to train")
     model: str = setting("Qwen/Qwen3-4B", "Base model: a Hugging Face hub id or a local folder with `config.json`.", changes="data")
     model_revision: str = setting("", "Hub revision (branch, tag or commit) to pin; empty = the default branch.", changes="data")
-    trust_remote_code: bool = setting(False, "Run Python code shipped with the model or dataset. Off: only architectures built into transformers load.")
+    trust_remote_code: bool = setting(False, "Run Python code shipped with the model or dataset. Off: only architectures built into transformers load; a model whose `model_type` needs its own code (`auto_map`) exits 2 before anything is downloaded but its config.")
+    allow_pickle_weights: bool = setting(False, "Load a model whose weights exist only as pickle files (`*.bin`, `*.pt`), which can run code when unpickled. Off: weights load from safetensors only, and a model without them exits 2 naming its pickle files, before any weight is read.")
     dataset: str = setting("trl-lib/Capybara", "Training data: a hub id, a `save_to_disk` folder, local `.jsonl`/`.json`/`.parquet`/`.csv` files, a folder or glob of them, or an `s3://`/`gs://`/`az://` URL.", changes="data")
     dataset_config: str = setting("", "Hub dataset configuration name; empty = the default one.", changes="data")
     dataset_split: str = setting("train", "Split to train on.", changes="data")
     dataset_revision: str = setting("", "Hub dataset revision to pin; empty = the default branch.", changes="data")
     eval_dataset: str = setting("", "Validation data (same forms as `FT_DATASET`; from a dataset with several splits, `validation`, else `test`). Empty: `FT_DATASET`'s own `test` split when it has one (as the reference recipe; Capybara's 200 rows), else `FT_EVAL_FRACTION` of the training rows.", changes="data")
-    eval_fraction: float = setting(0.1, "Share of the checked training rows held out for validation when `FT_EVAL_DATASET` is empty and `FT_DATASET` has no `test` split (seed `FT_SEED`, as the reference recipe); 0 = no validation.", minimum=0.0, changes="data")
+    eval_fraction: float = setting(0.1, "Share of the checked training rows held out for validation when `FT_EVAL_DATASET` is empty and `FT_DATASET` has no `test` split (seed `FT_SEED`, as the reference recipe); 0 = no validation: nothing is evaluated and the final model is the last step's, not the best by eval loss.", minimum=0.0, changes="data")
     data_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "text"] = setting("auto", "Row format (see the README's \"Your data\"): `messages` (role/content), `sharegpt` (`conversations` of from/value), `prompt_completion`, or `text`; `auto` detects it from the columns.", changes="data")
     bad_rows: Literal["fail", "skip"] = setting("fail", "Rows that cannot be trained on (unknown role, empty reply, bad JSON, ...): `fail` exits 2 listing them with their reasons; `skip` leaves them out (counted per reason, logged to MLflow). Either way they are listed in `FT_OUTPUT_DIR/data-report.txt`.", changes="data")
     loss_on: Literal["all", "assistant"] = setting("all", "Tokens that carry loss: `all` (the reference recipe) or `assistant`: only the assistant's replies and their end-of-turn token (works with Qwen3's stock template; other templates need `{% generation %}` markers).", changes="data")
@@ -69,9 +74,11 @@ class Settings:
     warmup_steps: int = setting(10, "Linear warm-up steps.", minimum=0, changes="training")
     weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0, changes="training")
     max_grad_norm: float = setting(1.0, "Gradient clipping norm; 0 = no clipping.", minimum=0.0, changes="training")
+    divergence_patience: int = setting(3, "Stop the job (exit 5) when the logged training loss is NaN, infinite or above `FT_LOSS_LIMIT` at this many logging steps in a row; 0 = never stop for the loss. Either way a checkpoint whose weights are not finite is never committed (exit 5).", minimum=0)
+    loss_limit: float = setting(0.0, "A logged training loss above this counts towards `FT_DIVERGENCE_PATIENCE`; 0 = only NaN and infinite losses do.", minimum=0.0)
     batch_size: int = setting(1, "Sequences per forward pass as the recipe states it; with `FT_BATCH_LAYOUT=auto` only the product with `FT_GRADIENT_ACCUMULATION_STEPS` (sequences per optimizer step) is kept, and the passes are regrouped to fill the device.", minimum=1, changes="training")
     gradient_accumulation_steps: int = setting(8, "Forward passes per optimizer step; effective batch = batch size × this.", minimum=1, changes="training")
-    seed: int = setting(42, "Seed for the split, the data order and initialisation.", minimum=0, changes="data")
+    seed: int = setting(42, "Seed for the split, the data order and initialisation.", minimum=0, maximum=2**32 - 1, changes="data")  # numpy's seed range
     # -- Evaluation and checkpoints ------------------------------------------------------------------
     eval_steps: int = setting(25, "Evaluate every N optimizer steps.", minimum=1, group="Evaluation and checkpoints")
     eval_batch_size: int = setting(1, "Sequences per evaluation forward pass.", minimum=1)
@@ -87,9 +94,9 @@ class Settings:
     padding_free: Literal["auto", "on", "off"] = setting("auto", "Concatenate the sequences of a forward pass into one row without padding (TRL `padding_free`; each sequence still attends only to itself, through `position_ids`). `auto`: on (measured 2.3x the padded tokens/s on CPU, bench/RESULTS.md); attention runs per sequence (trainer/attention.py) unless the model uses FlashAttention.")
     optimizer: Literal["auto", "adamw_torch", "adamw_torch_fused"] = setting("auto", "AdamW implementation; the update is the same. `auto`: the fused kernel (one launch for all parameters) on GPU, the loop on CPU.")
     compile: bool = setting(False, "`torch.compile` the model. Off until measured on the target GPU: the first steps compile for minutes.")
-    liger: bool = setting(False, "Liger Triton kernels for RMSNorm, SwiGLU and RoPE (needs the `liger-kernel` package and a GPU). The loss never materialises the full logits either way: TRL computes it in chunks.")
+    liger: bool = setting(False, "Liger Triton kernels for RMSNorm, SwiGLU and RoPE (needs the `liger-kernel` package and a GPU; without either, exit 2 at start). The loss never materialises the full logits either way: TRL computes it in chunks.")
     eval_max_samples: int = setting(0, "Evaluate on at most this many validation rows (the first ones of the split, always the same); 0 = all of them.", minimum=0)
-    dataloader_workers: int = setting(0, "Background processes that collate batches; 0 = in the training process. Rows are tokenized up front, so a step's batch takes ~3 ms to build in-process and ~5.5 ms to receive from 2 workers (bench/dataloader.py), against ~0.55 s for a Qwen3-4B step.", minimum=0)
+    dataloader_workers: int = setting(0, "Background processes that collate batches; 0 = in the training process. Rows are tokenized up front, so a step's batch takes ~3 ms to build in-process and ~5.5 ms to receive from 2 workers (bench/dataloader.py), against ~0.55 s for a Qwen3-4B step.", minimum=0, maximum=256)
     preflight: Literal["fail", "warn", "off"] = setting("fail", "Before loading weights: estimate peak GPU memory from the model config and check the volume has room for the checkpoints. `fail`: exit 2 with the breakdown and the settings that would fit; `warn`: print it and go on.")
     gpu_memory_gb: float = setting(0.0, "GPU memory the plan must fit, in GB; 0 = what the device reports. Set it to plan for a smaller card than the one at hand.", minimum=0.0)
     # -- Tracking and registry -----------------------------------------------------------------------
@@ -124,6 +131,7 @@ class Setting:
     group: str
     minimum: float | None
     changes: str
+    maximum: int | None = None  # integers only
 
     @property
     def env_name(self) -> str:
@@ -135,7 +143,8 @@ class Setting:
         if isinstance(self.kind, tuple):
             return "one of " + ", ".join(self.kind)
         floor = f" >= {self.minimum:g}" if self.minimum is not None else ""
-        return {int: f"an integer{floor}", float: f"a number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
+        ceiling = f" and <= {self.maximum}" if self.maximum is not None else ""
+        return {int: f"an integer{floor}{ceiling}", float: f"a finite number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
 
     @property
     def type_name(self) -> str:
@@ -153,7 +162,8 @@ def _table() -> tuple[Setting, ...]:
         group = f.metadata["group"] or group
         kind = hints[f.name]
         kind = typing.get_args(kind) if typing.get_origin(kind) is Literal else kind
-        rows.append(Setting(f.name, kind, f.default, f.metadata["help"], group, f.metadata["minimum"], f.metadata["changes"]))
+        maximum = (f.metadata["maximum"] or INT_MAX) if kind is int else None
+        rows.append(Setting(f.name, kind, f.default, f.metadata["help"], group, f.metadata["minimum"], f.metadata["changes"], maximum))
     return tuple(rows)
 
 
@@ -206,8 +216,9 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         if isinstance(s.kind, tuple):
             values[s.name] = env.str(key, s.default, validate=OneOf(s.kind, error="not a valid choice"))
         else:
-            validate = Range(min=s.minimum, error="out of range") if s.minimum is not None else None
-            parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]
+            bounded = s.minimum is not None or s.maximum is not None
+            validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
+            parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]  # env.float refuses nan and inf
             values[s.name] = parse(key, s.default, validate=validate)
     problems: dict[str, str] = {}
     try:
@@ -219,6 +230,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         problems[name] = "is not a fulltune setting (see the README's table of variables)"
     if not problems:
         problems.update(_cross_checks(values))
+        values = {k: v + 0.0 if isinstance(v, float) else v for k, v in values.items()}  # -0 is 0: the same fingerprint, the same params
     if problems:
         lines = [f"  {name}={_shown(name, layered.get(name))!s}: {why}" for name, why in sorted(problems.items())]
         raise ConfigError(f"{len(problems)} invalid setting(s):\n" + "\n".join(lines))
@@ -243,6 +255,8 @@ def _cross_checks(values: dict[str, Any]) -> dict[str, str]:
     problems = {}
     if values["save_steps"] % values["eval_steps"]:
         problems["FT_SAVE_STEPS"] = f"must be a multiple of FT_EVAL_STEPS={values['eval_steps']} so every checkpoint has an eval loss for picking the best model"
+    if values["batch_size"] * values["gradient_accumulation_steps"] > MAX_SEQUENCES_PER_STEP:
+        problems["FT_BATCH_SIZE"] = f"times FT_GRADIENT_ACCUMULATION_STEPS={values['gradient_accumulation_steps']} must be at most {MAX_SEQUENCES_PER_STEP} sequences per optimizer step"
     if not 0.0 <= values["eval_fraction"] < 1.0:
         problems["FT_EVAL_FRACTION"] = "must be >= 0 and < 1"
     if not values["output_dir"].strip():

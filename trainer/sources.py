@@ -49,12 +49,12 @@ def own_test_split(spec: str, settings: Settings) -> str | None:
     """
     if settings.dataset_split == "test":
         return None
-    if "://" in spec or os.path.exists(spec) or glob.has_magic(spec):
+    if _on_a_filesystem(spec):
         fs, path = _filesystem(spec, "FT_DATASET")
         if fs.isdir(path) and fs.exists(f"{path}/dataset_dict.json"):
             return "test" if "test" in json.loads(fs.cat(f"{path}/dataset_dict.json"))["splits"] else None
         return None
-    if spec.startswith(("/", "./", "../")) or os.path.splitext(spec)[1].lower() in READERS:
+    if not is_hub(spec):
         return None
     import datasets
 
@@ -69,14 +69,24 @@ def open_source(spec: str, settings: Settings, variable: str, split: str | None 
     """Resolve FT_DATASET / FT_EVAL_DATASET into a Source (no rows are read yet)."""
     if split is None and variable == "FT_DATASET":
         split = settings.dataset_split
-    if "://" in spec or os.path.exists(spec) or glob.has_magic(spec):
+    if _on_a_filesystem(spec):
         fs, path = _filesystem(spec, variable)
         if fs.isdir(path) and any(fs.exists(f"{path}/{marker}") for marker in ("dataset_dict.json", "state.json")):
             return _saved_folder(spec, fs, path, split, variable)
         return _files(spec, fs, path, variable)
-    if spec.startswith(("/", "./", "../")) or os.path.splitext(spec)[1].lower() in READERS:
+    if not is_hub(spec):
         raise DataError(f"{variable}={spec!r}: no such file or folder")
     return _hub(spec, settings, split, variable)
+
+
+def _on_a_filesystem(spec: str) -> bool:
+    """A URL, an existing path, or a glob: read through fsspec."""
+    return "://" in spec or os.path.exists(spec) or glob.has_magic(spec)
+
+
+def is_hub(spec: str) -> bool:
+    """A hub dataset id: neither on a filesystem nor shaped like a path or a data file that is missing."""
+    return not _on_a_filesystem(spec) and not (spec.startswith(("/", "./", "../")) or os.path.splitext(spec)[1].lower() in READERS)
 
 
 def _filesystem(spec: str, variable: str) -> tuple[Any, str]:

@@ -1,0 +1,368 @@
+"""Every documented value of every setting runs: the job's own trainer, built in-process on the demo model,
+trains 2 steps with it (or, for a value this machine cannot run, the documented error comes first).
+
+A value that is documented but never run is how `FT_MAX_GRAD_NORM=0` ("no clipping") came to crash once
+training started.  `test_every_setting_is_run_here_or_by_a_named_test` keeps the list complete: a new
+setting must add its special values below, or name the test that runs them.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from trainer import config as job_config
+from trainer import data, demo, job, memory, model
+from trainer import settings as settings_table
+from trainer.errors import ConfigError, DataError
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A model this small gains nothing from a second thread and loses much on a busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, demo_assets) -> dict[str, str]:
+    """Tiny datasets, one per row format, plus one with a bad row and one for validation; the demo model with pickle weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = tmp_path_factory.mktemp("values-data")
+    pickled = folder / "pickle-model"
+    shutil.copytree(demo_assets / "model", pickled, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(demo_assets / "model" / "model.safetensors"), pickled / "pytorch_model.bin")
+    rows = demo.conversations(16, seed=3)
+
+    def write(name: str, items: list) -> str:
+        path = folder / name
+        path.write_text("".join(json.dumps(item) + "\n" for item in items))
+        return str(path)
+
+    def turns(row: dict) -> tuple[str, str]:
+        return row["messages"][-2]["content"], row["messages"][-1]["content"]
+
+    sharegpt = [{"conversations": [{"from": "human", "value": u}, {"from": "gpt", "value": a}]} for u, a in map(turns, rows)]
+    bad = [*rows[:8], {"messages": [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, *rows[8:]]
+    return {
+        "messages": write("messages.jsonl", rows),
+        "sharegpt": write("sharegpt.jsonl", sharegpt),
+        "prompt_completion": write("prompt_completion.jsonl", [{"prompt": u, "completion": a} for u, a in map(turns, rows)]),
+        "text": write("text.jsonl", [{"text": f"{u} -> {a}"} for u, a in map(turns, rows)]),
+        "with_bad_row": write("with_bad_row.jsonl", bad),
+        "eval": write("eval.jsonl", demo.conversations(4, seed=4)),
+        "pickle_model": str(pickled),
+    }
+
+
+def base_env(demo_assets: Path, files: dict[str, str], output_dir: Path) -> dict[str, str]:
+    return {
+        "FT_MODEL": str(demo_assets / "model"),
+        "FT_DATASET": files["messages"],
+        "FT_OUTPUT_DIR": str(output_dir),
+        "FT_MAX_STEPS": str(STEPS),
+        "FT_EVAL_STEPS": str(STEPS),
+        "FT_SAVE_STEPS": str(STEPS),
+        "FT_LOGGING_STEPS": "1",
+        "FT_WARMUP_STEPS": "1",
+        "FT_BATCH_SIZE": "2",
+        "FT_GRADIENT_ACCUMULATION_STEPS": "1",
+        "FT_MAX_LENGTH": "64",
+        "FT_EVAL_FRACTION": "0.25",
+        "FT_PLATFORM": "none",
+        "FT_REGISTERED_MODEL": "",
+        "FT_TERMINATION_MESSAGE_PATH": "",
+    }
+
+
+def build(env: dict[str, str]):
+    """What trainer/job.py does before `trainer.train()`, without MLflow."""
+    config = job_config.build(settings_table.load(env), cuda=False, bf16_supported=False)
+    plan = memory.preflight(config)
+    tokenizer = model.load_tokenizer(config.settings)
+    prepared = data.prepare(config.settings, tokenizer)
+    return job.build_trainer(config, tokenizer, prepared, plan), prepared
+
+
+# -- What each value must visibly do, besides training -------------------------------------------------
+
+
+def no_evaluation(trainer, prepared, out):
+    assert prepared.eval is None and not any("eval_loss" in entry for entry in trainer.state.log_history)
+    assert (out / "checkpoints" / f"checkpoint-{STEPS}" / "commit.json").exists()
+
+
+def evaluated_on(rows: int):
+    def check(trainer, prepared, out):
+        assert len(trainer.eval_dataset) == rows and any("eval_loss" in entry for entry in trainer.state.log_history)
+
+    return check
+
+
+def report(key: str, expected):
+    def check(trainer, prepared, out):
+        assert prepared.report[key] == expected, prepared.report[key]
+
+    return check
+
+
+def weights_unchanged(trainer, prepared, out):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(Path(trainer.model.name_or_path))
+    for (name, before), after in zip(base.state_dict().items(), trainer.model.state_dict().values(), strict=True):
+        assert after.equal(before.to(after.dtype)), name
+
+
+def loaded_from_pickle(trainer, prepared, out):
+    assert trainer.model.name_or_path.endswith("pickle-model") and (Path(trainer.model.name_or_path) / "pytorch_model.bin").exists()
+
+
+def weights_changed(trainer, prepared, out):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(Path(trainer.model.name_or_path))
+    assert not base.model.layers[0].mlp.up_proj.weight.equal(trainer.model.model.layers[0].mlp.up_proj.weight)
+
+
+def recomputes(flags: list[bool]):
+    def check(trainer, prepared, out):
+        assert [layer.gradient_checkpointing for layer in trainer.model.model.layers] == flags
+
+    return check
+
+
+def arg(name: str, expected):
+    def check(trainer, prepared, out):
+        assert getattr(trainer.args, name) == expected, getattr(trainer.args, name)
+
+    return check
+
+
+def skipped_one_bad_row(trainer, prepared, out):
+    assert prepared.report["sources"]["train"]["bad_rows"] == 1 and len(prepared.train) + len(prepared.eval) == 16
+
+
+def dropped_some(trainer, prepared, out):
+    dropped = prepared.report["sources"]["train"]["dropped_too_long"]  # the validation rows are held out of the same file
+    assert 0 < dropped < 16 and len(prepared.train) + len(prepared.eval) == 16 - dropped
+
+
+def at_most(tokens: int):
+    def check(trainer, prepared, out):
+        assert max(len(ids) for ids in prepared.train["input_ids"]) == tokens and prepared.report["sources"]["train"]["truncated"] > 0
+
+    return check
+
+
+def cached(expected: bool):
+    def check(trainer, prepared, out):
+        assert (out / ".fulltune" / "data-cache").exists() == expected
+
+    return check
+
+
+def fused_adamw(trainer, prepared, out):
+    assert trainer.optimizer.defaults.get("fused") is True
+
+
+def bf16_weights(trainer, prepared, out):
+    import torch
+
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+
+
+def one_worker(trainer, prepared, out):
+    assert trainer.get_train_dataloader().num_workers == 1
+
+
+def demo_data(trainer, prepared, out):
+    assert len(prepared.train) + len(prepared.eval) == 2000
+
+
+def assistant_only(trainer, prepared, out):
+    assert 0 < prepared.report["trained_token_fraction"] < 0.5
+
+
+def padded(trainer, prepared, out):
+    assert not getattr(trainer.data_collator, "padding_free", False)
+
+
+def one_committed_checkpoint_plus_the_best(trainer, prepared, out):
+    kept = sorted(p.name for p in (out / "checkpoints").glob("checkpoint-*"))
+    best = Path(trainer.state.best_model_checkpoint).name
+    assert kept == sorted({f"checkpoint-{STEPS}", best}), kept
+
+
+# (overrides, check): every value below runs 2 optimizer steps; the check then looks at what the value promises.
+# `{messages}`-style values name the files fixture's datasets.
+RUNS = {
+    "defaults": ({}, evaluated_on(4)),
+    "FT_PRESET=demo": ({"FT_PRESET": "demo", "FT_MODEL": None, "FT_DATASET": None, "FT_EVAL_MAX_SAMPLES": "4"}, demo_data),
+    "FT_TRUST_REMOTE_CODE=true": ({"FT_TRUST_REMOTE_CODE": "true"}, None),
+    "FT_ALLOW_PICKLE_WEIGHTS=true": ({"FT_ALLOW_PICKLE_WEIGHTS": "true", "FT_MODEL": "{pickle_model}"}, loaded_from_pickle),
+    "FT_EVAL_DATASET=file": ({"FT_EVAL_DATASET": "{eval}"}, evaluated_on(4)),
+    "FT_EVAL_FRACTION=0": ({"FT_EVAL_FRACTION": "0"}, no_evaluation),
+    "FT_DATA_FORMAT=auto(sharegpt)": ({"FT_DATASET": "{sharegpt}"}, report("format", "sharegpt")),
+    "FT_DATA_FORMAT=messages": ({"FT_DATA_FORMAT": "messages"}, report("format", "messages")),
+    "FT_DATA_FORMAT=sharegpt": ({"FT_DATA_FORMAT": "sharegpt", "FT_DATASET": "{sharegpt}"}, report("format", "sharegpt")),
+    "FT_DATA_FORMAT=prompt_completion": ({"FT_DATA_FORMAT": "prompt_completion", "FT_DATASET": "{prompt_completion}"}, report("format", "prompt_completion")),
+    "FT_DATA_FORMAT=text": ({"FT_DATA_FORMAT": "text", "FT_DATASET": "{text}"}, report("format", "text")),
+    "FT_BAD_ROWS=skip": ({"FT_BAD_ROWS": "skip", "FT_DATASET": "{with_bad_row}"}, skipped_one_bad_row),
+    "FT_LOSS_ON=assistant": ({"FT_LOSS_ON": "assistant"}, assistant_only),
+    "FT_MAX_LENGTH=16": ({"FT_MAX_LENGTH": "16"}, at_most(16)),
+    "FT_TRUNCATION=drop": ({"FT_TRUNCATION": "drop", "FT_MAX_LENGTH": "24"}, dropped_some),
+    "FT_DATA_CACHE=true": ({"FT_DATA_CACHE": "true"}, cached(True)),
+    "FT_DATA_CACHE=false": ({"FT_DATA_CACHE": "false"}, cached(False)),
+    "FT_MAX_STEPS=1": ({"FT_MAX_STEPS": "1", "FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1"}, None),
+    "FT_LEARNING_RATE=0": ({"FT_LEARNING_RATE": "0"}, weights_unchanged),
+    "FT_LR_SCHEDULER=linear": ({"FT_LR_SCHEDULER": "linear"}, arg("lr_scheduler_type", "linear")),
+    "FT_LR_SCHEDULER=cosine": ({"FT_LR_SCHEDULER": "cosine"}, arg("lr_scheduler_type", "cosine")),
+    "FT_LR_SCHEDULER=constant_with_warmup": ({"FT_LR_SCHEDULER": "constant_with_warmup"}, arg("lr_scheduler_type", "constant_with_warmup")),
+    "FT_WARMUP_STEPS=0": ({"FT_WARMUP_STEPS": "0"}, weights_changed),
+    "FT_WEIGHT_DECAY=0": ({"FT_WEIGHT_DECAY": "0"}, weights_changed),
+    "FT_MAX_GRAD_NORM=0": ({"FT_MAX_GRAD_NORM": "0"}, weights_changed),
+    "FT_BATCH_SIZE=1": ({"FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "1"}, arg("per_device_train_batch_size", 1)),
+    "FT_SEED=0": ({"FT_SEED": "0"}, arg("seed", 0)),
+    "FT_EVAL_STEPS=1": ({"FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1", "FT_EVAL_BATCH_SIZE": "1"}, evaluated_on(4)),
+    "FT_EVAL_BATCH_SIZE=16": ({"FT_EVAL_BATCH_SIZE": "16"}, arg("per_device_eval_batch_size", 16)),
+    "FT_SAVE_TOTAL_LIMIT=1": ({"FT_SAVE_TOTAL_LIMIT": "1", "FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1"}, one_committed_checkpoint_plus_the_best),
+    "FT_PRECISION=auto": ({"FT_PRECISION": "auto"}, arg("bf16", False)),
+    "FT_PRECISION=fp32": ({"FT_PRECISION": "fp32"}, arg("bf16", False)),
+    "FT_PRECISION=bf16-sr": ({"FT_PRECISION": "bf16-sr"}, bf16_weights),
+    "FT_ACTIVATION_CHECKPOINTING=auto": ({"FT_ACTIVATION_CHECKPOINTING": "auto"}, recomputes([False, False])),
+    "FT_ACTIVATION_CHECKPOINTING=off": ({"FT_ACTIVATION_CHECKPOINTING": "off"}, recomputes([False, False])),
+    "FT_ACTIVATION_CHECKPOINTING=full": ({"FT_ACTIVATION_CHECKPOINTING": "full"}, recomputes([True, True])),
+    "FT_ACTIVATION_CHECKPOINTING=selective": ({"FT_ACTIVATION_CHECKPOINTING": "selective"}, recomputes([True, False])),
+    "FT_BATCH_LAYOUT=auto": ({"FT_BATCH_LAYOUT": "auto", "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "2"}, arg("gradient_accumulation_steps", 1)),
+    "FT_BATCH_LAYOUT=as-set": ({"FT_BATCH_LAYOUT": "as-set", "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "2"}, arg("gradient_accumulation_steps", 2)),
+    "FT_PADDING_FREE=on": ({"FT_PADDING_FREE": "on"}, arg("per_device_train_batch_size", 2)),
+    "FT_PADDING_FREE=off": ({"FT_PADDING_FREE": "off"}, padded),
+    "FT_OPTIMIZER=adamw_torch": ({"FT_OPTIMIZER": "adamw_torch"}, arg("optim", "adamw_torch")),
+    "FT_OPTIMIZER=adamw_torch_fused": ({"FT_OPTIMIZER": "adamw_torch_fused"}, fused_adamw),
+    "FT_EVAL_MAX_SAMPLES=1": ({"FT_EVAL_MAX_SAMPLES": "1"}, evaluated_on(1)),
+    "FT_DATALOADER_WORKERS=1": ({"FT_DATALOADER_WORKERS": "1"}, one_worker),
+    "FT_PREFLIGHT=warn": ({"FT_PREFLIGHT": "warn", "FT_GPU_MEMORY_GB": "0.001"}, None),
+    "FT_PREFLIGHT=off": ({"FT_PREFLIGHT": "off", "FT_GPU_MEMORY_GB": "0.001"}, None),
+    "FT_GPU_MEMORY_GB=80": ({"FT_GPU_MEMORY_GB": "80"}, None),
+}
+
+# (overrides, error, message): values documented to stop before training on this machine.
+REFUSED = {
+    "FT_PRECISION=bf16-mixed": ({"FT_PRECISION": "bf16-mixed"}, ConfigError, r"FT_PRECISION=bf16-mixed needs a GPU with bf16 support"),
+    "FT_LIGER=true": ({"FT_LIGER": "true"}, ConfigError, r"FT_LIGER=true needs a GPU"),
+    "FT_PREFLIGHT=fail": ({"FT_PREFLIGHT": "fail", "FT_GPU_MEMORY_GB": "0.001"}, ConfigError, r"preflight: the estimated peak GPU memory does not fit.*of 0\.0 GB"),
+    "FT_BAD_ROWS=fail": ({"FT_BAD_ROWS": "fail", "FT_DATASET": "{with_bad_row}"}, DataError, r"1 bad row\(s\); fix them or set FT_BAD_ROWS=skip"),
+}
+
+# Settings whose documented values are run by another test (a subprocess job, or no trainer involved).
+ELSEWHERE = {
+    "FT_COMPILE": "test_compile_trains_on_cpu",
+    "FT_MODEL_REVISION": "test_local_datasets_train_end_to_end",  # empty (the default); a pinned revision needs the hub
+    "FT_DATASET_CONFIG": "test_local_datasets_train_end_to_end",  # empty; a configuration name needs the hub
+    "FT_DATASET_REVISION": "test_local_datasets_train_end_to_end",  # empty; a pinned revision needs the hub
+    "FT_DATASET_SPLIT": "test_save_to_disk_folder_uses_the_named_split",
+    "FT_OUTPUT_DIR": "test_runs_from_another_directory_with_a_relative_output_dir",
+    "FT_REGISTERED_MODEL": "test_local_datasets_train_end_to_end",  # empty = not registered
+    "FT_RUN_NAME": "test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configuration",  # empty = <model>_full-fine-tuning
+    "FT_SYSTEM_METRICS": "test_demo_model_learns_to_reverse_held_out_word_lists",  # false there, true in test_job.py
+    "FT_PLATFORM": "test_every_platform_in_the_settings_table_can_be_forced",
+    "FT_STOP_DEADLINE_SECONDS": "test_a_stop_that_cannot_finish_in_time_exits_76",
+    "FT_ALLOW_CONFIG_CHANGE": "test_allow_config_change_resumes_despite_a_changed_setting",
+    "FT_TERMINATION_MESSAGE_PATH": "test_an_empty_termination_message_path_writes_nothing",
+    "FT_DIVERGENCE_PATIENCE": "test_off_with_patience_0_and_a_limit_only_counts_when_set",
+    "FT_LOSS_LIMIT": "test_a_loss_above_the_limit_stops_the_job_after_the_patience",
+}
+
+
+def resolve(overrides: dict[str, str | None], files: dict[str, str]) -> dict[str, str | None]:
+    return {k: v.format(**files) if isinstance(v, str) else v for k, v in overrides.items()}
+
+
+def env_for(overrides, demo_assets, files, out) -> dict[str, str]:
+    env = base_env(demo_assets, files, out) | resolve(overrides, files)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_each_documented_value_trains(name, demo_assets, files, tmp_path):
+    overrides, check = RUNS[name]
+    out = tmp_path / "volume"
+    if overrides.get("FT_PRESET") == "demo":
+        out.mkdir()
+        (out / "demo").symlink_to(demo_assets)  # the preset's folder, already built
+    trainer, prepared = build(env_for(overrides, demo_assets, files, out))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert trainer.state.global_step == int(overrides.get("FT_MAX_STEPS", STEPS))
+    assert losses and all(math.isfinite(loss) for loss in losses), losses
+    if check:
+        check(trainer, prepared, out)
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_each_value_this_machine_cannot_run_is_refused_with_the_documented_error(name, demo_assets, files, tmp_path):
+    overrides, error, message = REFUSED[name]
+    with pytest.raises(error, match=message):
+        build(env_for(overrides, demo_assets, files, tmp_path / "volume"))
+    assert not (tmp_path / "volume" / "checkpoints").exists()
+
+
+def test_every_setting_is_run_here_or_by_a_named_test():
+    named_here = {key.split("=")[0] for key in (*RUNS, *REFUSED) if key.startswith("FT_")}
+    named_here |= set(base_env(Path("model"), collections.defaultdict(str), Path("volume")))  # run by "defaults"
+    missing = set(settings_table.BY_ENV_NAME) - named_here - set(ELSEWHERE)
+    assert not missing, f"add their documented values to RUNS or REFUSED, or name the test that runs them in ELSEWHERE: {sorted(missing)}"
+    tests = {node.name for path in (ROOT / "tests").glob("test_*.py") for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)}
+    assert not {test for test in ELSEWHERE.values() if test not in tests}
+    for env_name, setting in settings_table.BY_ENV_NAME.items():  # every choice of a choice setting is run or refused
+        if isinstance(setting.kind, tuple) and env_name not in ELSEWHERE:
+            assert {f"{env_name}={choice}" for choice in setting.kind} - set(RUNS) - set(REFUSED) <= {f"{env_name}={setting.default}"}, env_name
+
+
+def test_allow_config_change_resumes_despite_a_changed_setting(demo_assets, files, tmp_path):
+    from trainer import checkpoints
+
+    env = base_env(demo_assets, files, tmp_path / "volume")
+    checkpoints.check_fingerprint(job_config.build(settings_table.load(env), cuda=False, bf16_supported=False))
+    changed = env | {"FT_LEARNING_RATE": "0.5"}
+    with pytest.raises(ConfigError, match=r"FT_LEARNING_RATE: '2e-05' on the volume, '0.5' now.*FT_ALLOW_CONFIG_CHANGE=true"):
+        checkpoints.check_fingerprint(job_config.build(settings_table.load(changed), cuda=False, bf16_supported=False))
+    checkpoints.check_fingerprint(job_config.build(settings_table.load(changed | {"FT_ALLOW_CONFIG_CHANGE": "true"}), cuda=False, bf16_supported=False))
+    assert json.loads((tmp_path / "volume" / ".fulltune" / "fingerprint.json").read_text())["FT_LEARNING_RATE"] == "0.5"
+
+
+def test_an_empty_termination_message_path_writes_nothing(tmp_path, monkeypatch):
+    from trainer import errors
+
+    monkeypatch.chdir(tmp_path)
+    job_config.build(settings_table.load({"FT_PLATFORM": "none", "FT_TERMINATION_MESSAGE_PATH": ""}), cuda=False, bf16_supported=False)
+    assert errors.termination_message_path() is None
+    errors.write_termination_message("exit 2: nothing")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_compile_trains_on_cpu(demo_assets, files, tmp_path):
+    """FT_COMPILE=true is meant for the GPU, but it also runs here: 1 step, no evaluation, so one graph compiles."""
+    overrides = {"FT_COMPILE": "true", "FT_MAX_STEPS": "1", "FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1", "FT_EVAL_FRACTION": "0"}
+    trainer, _ = build(env_for(overrides, demo_assets, files, tmp_path / "volume"))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert trainer.state.global_step == 1 and losses and math.isfinite(losses[0])
