@@ -20,6 +20,7 @@ from trainer.volume import Volume, follow_umask, staged
 def run(config: Config) -> None:
     settings = config.settings
     stopper = preemption.StopOnSignal(settings.stop_deadline_seconds)  # first: a stop during loading is seen
+    progress.quiet_libraries()
     ranks.start(config)  # several processes: join them, and check they all run this configuration
     volume = Volume(settings.output_dir)
     status = volume.status()
@@ -56,13 +57,15 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
 
     `net`: an already built model instead of loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
     """
+    from transformers import PrinterCallback
     from trl import SFTTrainer
 
     settings, cuda = config.settings, config.cuda
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
+    progress.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
     args = recipe.sft_config(settings, config.precision, plan, cuda)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
-    return SFTTrainer(
+    trainer = SFTTrainer(
         model=net,
         args=args,
         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
@@ -77,6 +80,8 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
             progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda),
         ],
     )
+    trainer.remove_callback(PrinterCallback)  # it prints each raw `logs` dict after the progress line (disable_tqdm=True installs it)
+    return trainer
 
 
 def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal) -> Any:

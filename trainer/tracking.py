@@ -50,6 +50,9 @@ def configure(settings: settings_table.Settings) -> str | None:
     Rank 0 alone tracks (one run per job, not one per rank: mlflow #11782)."""
     if not ranks.is_main():
         return None
+    # MLflow tags the run with the git commit of the code when it can; in the image there is no git executable, and
+    # GitPython would print a screenful about it at the first run (the tag is simply left out either way).
+    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
     import mlflow
 
     store = os.path.abspath(Volume(settings.output_dir).mlflow_store)
@@ -184,16 +187,35 @@ def save_model(net: Any, tokenizer: Any, path: str, metadata: dict[str, str]) ->
     folder (weights + tokenizer), so serving and the registry share one copy; the metadata goes to the run too."""
     import mlflow
 
-    mlflow.transformers.save_model(
-        transformers_model={"model": net, "tokenizer": tokenizer},
-        path=path,
-        task="llm/v1/chat",
-        metadata=metadata,
-        pip_requirements=_serving_requirements(),
-    )
+    local_base = os.path.isdir(net.name_or_path)  # MLflow looks the name up on the hub for a model card and a license
+    with _without_warnings("mlflow.transformers", "The model card could not be retrieved", "Unable to find license information") if local_base else contextlib.nullcontext():
+        mlflow.transformers.save_model(
+            transformers_model={"model": net, "tokenizer": tokenizer},
+            path=path,
+            task="llm/v1/chat",
+            metadata=metadata,
+            pip_requirements=_serving_requirements(),
+        )
     tokenizer.save_pretrained(os.path.join(path, "model"))
     if _open_runs:
         mlflow.log_dict(metadata, "model_metadata.json")
+
+
+@contextlib.contextmanager
+def _without_warnings(logger: str, *prefixes: str) -> Iterator[None]:
+    """Drop the named logger's messages that start with one of `prefixes` (expected, and misleading, here)."""
+    import logging
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(prefixes)
+
+    drop, target = Drop(), logging.getLogger(logger)
+    target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
 
 
 def _serving_requirements() -> list[str]:
