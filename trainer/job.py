@@ -57,7 +57,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
 
     `net`: an already built model instead of loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
     """
-    from transformers import PrinterCallback
+    from transformers import EarlyStoppingCallback, PrinterCallback
     from trl import SFTTrainer
 
     settings, cuda = config.settings, config.cuda
@@ -76,6 +76,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         callbacks=[
             checkpoints.CommitCheckpoints(settings.save_total_limit),
             *callbacks,
+            *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             tracking.MetricsCallback(),
             progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda),
         ],
@@ -96,7 +97,21 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
     trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
         raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
+    if trainer.state.global_step < trainer.state.max_steps:
+        _stopped_early(config, trainer)
     return trainer
+
+
+def _stopped_early(config: Config, trainer: Any) -> None:
+    """EarlyStoppingCallback ended training before FT_MAX_STEPS: say so in the log and on the run."""
+    state, patience = trainer.state, config.settings.early_stopping_patience
+    best = os.path.basename(state.best_model_checkpoint or "")
+    print(
+        f"fulltune: stopped early at step {state.global_step}/{state.max_steps}: eval_loss did not improve for {patience} evaluation(s)"
+        f" (FT_EARLY_STOPPING_PATIENCE); best eval_loss={state.best_metric:.4f} at {best}, which becomes the final model",
+        flush=True,
+    )
+    tracking.log(tags={"stopped_early_at_step": str(state.global_step), "best_checkpoint": best})
 
 
 def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume) -> dict[str, str]:
@@ -148,6 +163,7 @@ def _print_plan(config: Config, prepared: data.Prepared, plan: memory.Plan) -> N
     per_rank = settings.batch_size * settings.gradient_accumulation_steps
     effective = per_rank * config.world_size
     ranks_line = f" x {config.world_size} processes ({plan.strategy})" if config.world_size > 1 else ""
+    early = f" (stop after {settings.early_stopping_patience} without improvement)" if settings.early_stopping_patience else ""
     n_train, n_eval = len(prepared.train), len(prepared.eval) if prepared.eval is not None else 0
     print(
         "fulltune: plan\n"
@@ -155,7 +171,7 @@ def _print_plan(config: Config, prepared: data.Prepared, plan: memory.Plan) -> N
         f"  {settings.max_steps} steps x effective batch {effective} ({settings.batch_size} x {settings.gradient_accumulation_steps} accumulation{ranks_line})"
         f" = {settings.max_steps * effective} sequences, {settings.max_steps * effective / max(n_train, 1):.2f} epochs,"
         f" up to {effective * settings.max_length} tokens per step\n"
-        f"  eval every {settings.eval_steps} steps, checkpoint every {settings.save_steps} steps (keep {settings.save_total_limit} + best)"
+        f"  eval every {settings.eval_steps} steps{early}, checkpoint every {settings.save_steps} steps (keep {settings.save_total_limit} + best)"
         f" in {Volume(settings.output_dir).checkpoints}",
         flush=True,
     )

@@ -77,6 +77,7 @@ class Settings:
     eval_batch_size: int = setting(1, "Sequences per evaluation forward pass.", minimum=1)
     save_steps: int = setting(25, "Commit a checkpoint every N optimizer steps. Must be a multiple of `FT_EVAL_STEPS` (the best model is chosen by eval loss at save time).", minimum=1)
     save_total_limit: int = setting(2, "Committed checkpoints to keep (the best one is kept as well).", minimum=1)
+    early_stopping_patience: int = setting(0, "Stop training once eval loss has not improved for this many evaluations in a row (transformers' `EarlyStoppingCallback`); the job still exits 0 and the final model is the best checkpoint. 0 = train all `FT_MAX_STEPS`.", minimum=0)
     logging_steps: int = setting(10, "Log loss, learning rate and throughput every N optimizer steps.", minimum=1)
     output_dir: str = setting("/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.")
     # -- Hardware ------------------------------------------------------------------------------------
