@@ -10,7 +10,7 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, memory, model, preemption, progress, ranks, recipe, tracking
+from trainer import checkpoints, data, demo, memory, model, preemption, progress, ranks, recipe, samples, tracking
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for, record_exit
@@ -76,6 +76,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         callbacks=[
             checkpoints.CommitCheckpoints(settings.save_total_limit),
             *callbacks,
+            *_sample_answers(config, tokenizer, prepared, plan),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             tracking.MetricsCallback(),
             progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda),
@@ -83,6 +84,16 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     )
     trainer.remove_callback(PrinterCallback)  # it prints each raw `logs` dict after the progress line (disable_tqdm=True installs it)
     return trainer
+
+
+def _sample_answers(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan) -> list[Any]:
+    """The callback that answers FT_EVAL_SAMPLES validation prompts at step 0 and every evaluation (none under FSDP)."""
+    settings = config.settings
+    if not settings.eval_samples or prepared.eval is None or plan.strategy == "fsdp":
+        return []
+    chosen = samples.pick(prepared.eval, settings.eval_samples, settings.seed, tokenizer)
+    bf16 = config.cuda and config.precision.bf16
+    return [samples.SampleAnswers(tokenizer, chosen, settings.eval_sample_tokens, settings.output_dir, bf16)] if chosen else []
 
 
 def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal) -> Any:

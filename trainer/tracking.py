@@ -53,6 +53,7 @@ def configure(settings: settings_table.Settings) -> str | None:
     # MLflow tags the run with the git commit of the code when it can; in the image there is no git executable, and
     # GitPython would print a screenful about it at the first run (the tag is simply left out either way).
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact (log_table reads its table back to append)
     import mlflow
 
     store = os.path.abspath(Volume(settings.output_dir).mlflow_store)
@@ -168,6 +169,15 @@ def log(tags: dict[str, str] | None = None, metrics: dict[str, float] | None = N
             mlflow.log_text(value, path)
         else:
             mlflow.log_dict(value, path)
+
+
+def log_table(rows: list[dict[str, Any]], artifact_file: str) -> None:
+    """Rows (one dict each, same keys) appended to a table artifact of the job's run (MLflow's evaluation view)."""
+    if not _open_runs or not rows:
+        return
+    import mlflow
+
+    mlflow.log_table({key: [row[key] for row in rows] for key in rows[0]}, artifact_file)
 
 
 class MetricsCallback(TrainerCallback):
