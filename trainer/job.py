@@ -10,7 +10,7 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, tracking
+from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, samples, tracking
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for, record_exit
@@ -20,6 +20,7 @@ from trainer.volume import Volume, follow_umask, staged
 def run(config: Config) -> None:
     settings = config.settings
     stopper = preemption.StopOnSignal(settings.stop_deadline_seconds)  # first: a stop during loading is seen
+    progress.quiet_libraries()
     ranks.start(config)  # several processes: join them, and check they all run this configuration
     volume = Volume(settings.output_dir)
     status = volume.status()
@@ -57,14 +58,16 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
 
     `net`: an already built model instead of loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
     """
+    from transformers import EarlyStoppingCallback, PrinterCallback
     from trl import SFTTrainer
 
     settings, cuda = config.settings, config.cuda
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
+    progress.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
     eval_rows = recipe.eval_rows(settings, prepared.eval)
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
-    return SFTTrainer(
+    trainer = SFTTrainer(
         model=net,
         args=args,
         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
@@ -75,11 +78,25 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         callbacks=[
             checkpoints.CommitCheckpoints(settings.save_total_limit, Volume(settings.output_dir).incomplete),
             *callbacks,
+            *_sample_answers(config, tokenizer, prepared, plan),
+            *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             tracking.MetricsCallback(),
             progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda),
             divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit),  # last: the diverged loss is logged and printed first
         ],
     )
+    trainer.remove_callback(PrinterCallback)  # it prints each raw `logs` dict after the progress line (disable_tqdm=True installs it)
+    return trainer
+
+
+def _sample_answers(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan) -> list[Any]:
+    """The callback that answers FT_EVAL_SAMPLES validation prompts at step 0 and every evaluation (none under FSDP)."""
+    settings = config.settings
+    if not settings.eval_samples or prepared.eval is None or plan.strategy == "fsdp":
+        return []
+    chosen = samples.pick(prepared.eval, settings.eval_samples, settings.seed, tokenizer)
+    bf16 = config.cuda and config.precision.bf16
+    return [samples.SampleAnswers(tokenizer, chosen, settings.eval_sample_tokens, settings.output_dir, bf16)] if chosen else []
 
 
 def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal) -> Any:
@@ -94,7 +111,21 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
     trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
         raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
+    if trainer.state.global_step < trainer.state.max_steps:
+        _stopped_early(config, trainer)
     return trainer
+
+
+def _stopped_early(config: Config, trainer: Any) -> None:
+    """EarlyStoppingCallback ended training before FT_MAX_STEPS: say so in the log and on the run."""
+    state, patience = trainer.state, config.settings.early_stopping_patience
+    best = os.path.basename(state.best_model_checkpoint or "")
+    print(
+        f"fulltune: stopped early at step {state.global_step}/{state.max_steps}: eval_loss did not improve for {patience} evaluation(s)"
+        f" (FT_EARLY_STOPPING_PATIENCE); best eval_loss={state.best_metric:.4f} at {best}, which becomes the final model",
+        flush=True,
+    )
+    tracking.log(tags={"stopped_early_at_step": str(state.global_step), "best_checkpoint": best})
 
 
 def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume) -> dict[str, str]:
@@ -146,6 +177,7 @@ def _print_plan(config: Config, prepared: data.Prepared, plan: memory.Plan) -> N
     per_rank = settings.batch_size * settings.gradient_accumulation_steps
     effective = per_rank * config.world_size
     ranks_line = f" x {config.world_size} processes ({plan.strategy})" if config.world_size > 1 else ""
+    early = f" (stop after {settings.early_stopping_patience} without improvement)" if settings.early_stopping_patience else ""
     n_train, n_eval = len(prepared.train), len(prepared.eval) if prepared.eval is not None else 0
     print(
         "fulltune: plan\n"
@@ -153,7 +185,7 @@ def _print_plan(config: Config, prepared: data.Prepared, plan: memory.Plan) -> N
         f"  {settings.max_steps} steps x effective batch {effective} ({settings.batch_size} x {settings.gradient_accumulation_steps} accumulation{ranks_line})"
         f" = {settings.max_steps * effective} sequences, {settings.max_steps * effective / max(n_train, 1):.2f} epochs,"
         f" up to {effective * settings.max_length} tokens per step\n"
-        f"  eval every {settings.eval_steps} steps, checkpoint every {settings.save_steps} steps (keep {settings.save_total_limit} + best)"
+        f"  eval every {settings.eval_steps} steps{early}, checkpoint every {settings.save_steps} steps (keep {settings.save_total_limit} + best)"
         f" in {Volume(settings.output_dir).checkpoints}",
         flush=True,
     )

@@ -128,6 +128,7 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         metric_for_best_model="eval_loss" if evaluate else None,
         greater_is_better=False if evaluate else None,
         load_best_model_at_end=evaluate,
+        restore_callback_states_from_checkpoint=settings.early_stopping_patience > 0,  # a resumed job keeps counting evaluations without improvement
         report_to="none",  # tracking.MetricsCallback logs into the job's one run
         # -- data
         # data.prepare() already checked, tokenized, masked (labels -100) and applied FT_MAX_LENGTH/FT_TRUNCATION

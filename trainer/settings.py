@@ -84,6 +84,9 @@ class Settings:
     eval_batch_size: int = setting(1, "Sequences per evaluation forward pass.", minimum=1)
     save_steps: int = setting(25, "Commit a checkpoint every N optimizer steps. Must be a multiple of `FT_EVAL_STEPS` (the best model is chosen by eval loss at save time).", minimum=1)
     save_total_limit: int = setting(2, "Committed checkpoints to keep (the best one is kept as well).", minimum=1)
+    early_stopping_patience: int = setting(0, "Stop training once eval loss has not improved for this many evaluations in a row (transformers' `EarlyStoppingCallback`); the job still exits 0 and the final model is the best checkpoint. 0 = train all `FT_MAX_STEPS`.", minimum=0)
+    eval_samples: int = setting(4, "Validation prompts answered at step 0 (the base model) and after every evaluation, greedily, the same ones each time (chosen with `FT_SEED`); the answers go to `FT_OUTPUT_DIR/eval-samples.jsonl` and the MLflow run's `eval_samples.json` table. 0 = none. All prompts go through one left-padded greedy `generate` call: 0.2-0.3 s per evaluation on CPU for the demo (4 prompts, 16 tokens; its evaluation takes 2.5 s), estimated 3-5 s for Qwen3-4B on an H100 at 128 tokens (128 decoding steps of 25-35 ms) against 20-40 s for evaluating Capybara's 200 validation rows.", minimum=0)
+    eval_sample_tokens: int = setting(128, "Most new tokens per sample answer (an answer also ends at the end-of-turn token).", minimum=1)
     logging_steps: int = setting(10, "Log loss, learning rate and throughput every N optimizer steps.", minimum=1)
     output_dir: str = setting("/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.")
     # -- Hardware ------------------------------------------------------------------------------------
@@ -190,6 +193,7 @@ def preset_defaults(preset: str, output_dir: str) -> dict[str, str]:
         "FT_EVAL_BATCH_SIZE": "16",
         "FT_MAX_LENGTH": "256",
         "FT_REGISTERED_MODEL": "demo.default.tiny_qwen3_assistant",
+        "FT_EVAL_SAMPLE_TOKENS": "16",  # the longest demo answer is 13 tokens with its end-of-turn token
     }
 
 

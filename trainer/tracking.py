@@ -50,6 +50,10 @@ def configure(settings: settings_table.Settings) -> str | None:
     Rank 0 alone tracks (one run per job, not one per rank: mlflow #11782)."""
     if not ranks.is_main():
         return None
+    # MLflow tags the run with the git commit of the code when it can; in the image there is no git executable, and
+    # GitPython would print a screenful about it at the first run (the tag is simply left out either way).
+    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact (log_table reads its table back to append)
     import mlflow
 
     store = os.path.abspath(Volume(settings.output_dir).mlflow_store)
@@ -167,6 +171,15 @@ def log(tags: dict[str, str] | None = None, metrics: dict[str, float] | None = N
             mlflow.log_dict(value, path)
 
 
+def log_table(rows: list[dict[str, Any]], artifact_file: str) -> None:
+    """Rows (one dict each, same keys) appended to a table artifact of the job's run (MLflow's evaluation view)."""
+    if not _open_runs or not rows:
+        return
+    import mlflow
+
+    mlflow.log_table({key: [row[key] for row in rows] for key in rows[0]}, artifact_file)
+
+
 class MetricsCallback(TrainerCallback):
     """What the Trainer logs (loss, eval_loss, learning_rate, grad_norm, ...) as metrics of the job's run, at the
     optimizer step.  Numbers only, names sanitised as transformers' MLflowCallback does."""
@@ -184,16 +197,35 @@ def save_model(net: Any, tokenizer: Any, path: str, metadata: dict[str, str]) ->
     folder (weights + tokenizer), so serving and the registry share one copy; the metadata goes to the run too."""
     import mlflow
 
-    mlflow.transformers.save_model(
-        transformers_model={"model": net, "tokenizer": tokenizer},
-        path=path,
-        task="llm/v1/chat",
-        metadata=metadata,
-        pip_requirements=_serving_requirements(),
-    )
+    local_base = os.path.isdir(net.name_or_path)  # MLflow looks the name up on the hub for a model card and a license
+    with _without_warnings("mlflow.transformers", "The model card could not be retrieved", "Unable to find license information") if local_base else contextlib.nullcontext():
+        mlflow.transformers.save_model(
+            transformers_model={"model": net, "tokenizer": tokenizer},
+            path=path,
+            task="llm/v1/chat",
+            metadata=metadata,
+            pip_requirements=_serving_requirements(),
+        )
     tokenizer.save_pretrained(os.path.join(path, "model"))
     if _open_runs:
         mlflow.log_dict(metadata, "model_metadata.json")
+
+
+@contextlib.contextmanager
+def _without_warnings(logger: str, *prefixes: str) -> Iterator[None]:
+    """Drop the named logger's messages that start with one of `prefixes` (expected, and misleading, here)."""
+    import logging
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(prefixes)
+
+    drop, target = Drop(), logging.getLogger(logger)
+    target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
 
 
 def _serving_requirements() -> list[str]:

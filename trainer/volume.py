@@ -67,6 +67,11 @@ class Volume:
         return self._path("data-report.txt")
 
     @property
+    def eval_samples(self) -> str:
+        """The sample answers: one JSON line per prompt, at step 0 and at every evaluation (trainer/samples.py)."""
+        return self._path("eval-samples.jsonl")
+
+    @property
     def demo(self) -> str:
         """FT_PRESET=demo: the tiny model, tokenizer and data."""
         return self._path("demo")

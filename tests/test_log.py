@@ -1,0 +1,87 @@
+"""The job's log as a user reads it: one line per logging step and no warning that is not about their job."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from conftest import job_env, run_job
+from trainer import progress
+
+
+@pytest.fixture(scope="module")
+def demo_log(tmp_path_factory):
+    """The demo job as a fresh container runs it: no git on PATH, OMP_NUM_THREADS unset, the model registered."""
+    out = tmp_path_factory.mktemp("log") / "volume"
+    env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="5", FT_SAVE_STEPS="5", FT_LOGGING_STEPS="5")
+    env.pop("OMP_NUM_THREADS", None)
+    env["PATH"] = str(Path(sys.executable).parent)  # the venv's python and nothing else: no git executable
+    assert not any((Path(folder) / "git").exists() for folder in env["PATH"].split(os.pathsep))
+    result = run_job(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out, result.stdout + result.stderr
+
+
+@pytest.mark.slow  # the demo job, 10 steps, in a subprocess
+def test_each_logging_step_prints_one_progress_line_and_no_raw_dict(demo_log):
+    out, log = demo_log
+    lines = log.splitlines()
+    progress_lines = [line for line in lines if line.startswith("fulltune: step=")]
+    kinds = Counter((progress.parse_line(line)["step"], tuple(sorted(progress.parse_line(line)))) for line in progress_lines)
+    assert kinds == {("5/10", ("eta_s", "loss", "lr", "mem_gb", "step", "tokens_per_s")): 1, ("10/10", ("eta_s", "loss", "lr", "mem_gb", "step", "tokens_per_s")): 1,
+                     ("5/10", ("eval_loss", "step")): 1, ("10/10", ("eval_loss", "step")): 1}
+    repeated = [line for line, n in Counter(line for line in lines if line.strip()).items() if n > 1]
+    assert repeated == [], "a line printed twice"
+    assert "{'loss'" not in log and "'eval_loss':" not in log and "{'train_runtime'" not in log, "transformers' raw logs dict"
+    assert "Loading weights" not in log and "Writing model shards" not in log, "a progress bar at every load and checkpoint"
+    # The metrics the dict carried still reach MLflow, at the same steps.
+    mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow/mlflow.db")
+    run = mlflow.search_runs(search_all_experiments=True, output_format="list")[0]
+    client = mlflow.MlflowClient()
+    for metric in ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "eval_loss", "eval_runtime"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [5, 10], metric
+
+
+@pytest.mark.slow  # the demo job, 10 steps, in a subprocess
+def test_the_log_carries_no_spurious_warning(demo_log):
+    _, log = demo_log
+    for noise in (
+        "Invalid value",  # libgomp, when the launcher handed OMP_NUM_THREADS=None to the training process
+        "missing keys",  # the best-model reload, for the tied LM head
+        "model card could not be retrieved",  # MLflow, looking a local folder up on the hub
+        "Unable to find license information",
+        "git executable",  # GitPython without git on PATH (the image)
+        "Failed to import Git",
+        "WARNING",
+        "Traceback",
+    ):
+        assert noise not in log, noise
+    assert not log.startswith("\n"), "blank lines (the demo tokenizer's training bars)"
+
+
+def test_a_missing_key_that_is_not_a_tied_weight_is_still_reported():
+    """The filter drops the tied LM head's report only; a key really missing from a checkpoint still warns."""
+    import logging
+
+    from trainer import demo
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    progress.expect_tied_weights(demo.build_model(vocab_size=64, pad_token_id=0, eos_token_id=1))
+    logger, handler = logging.getLogger("transformers.trainer"), Keep()
+    logger.addHandler(handler)
+    try:
+        logger.warning("There were missing keys in the checkpoint model loaded: ['lm_head.weight'].")
+        logger.warning("There were missing keys in the checkpoint model loaded: ['lm_head.weight', 'model.norm.weight'].")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["There were missing keys in the checkpoint model loaded: ['lm_head.weight', 'model.norm.weight']."]
