@@ -57,6 +57,15 @@ def termination_message(env: dict[str, str]) -> str:
     return path.read_text() if path.exists() else ""
 
 
+def max_weight_difference(a: Path, b: Path) -> float:
+    """Largest absolute difference between two safetensors files' weights (same names required)."""
+    from safetensors.torch import load_file
+
+    left, right = load_file(a), load_file(b)
+    assert left.keys() == right.keys()
+    return max((left[k].float() - right[k].float()).abs().max().item() for k in left)
+
+
 def committed_steps(output_dir: Path) -> list[int]:
     folder = Path(output_dir) / "checkpoints"
     steps = []

@@ -12,20 +12,13 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from safetensors.torch import load_file
 
-from conftest import ROOT, committed_steps, job_env, run_job, start_job, termination_message, wait_for, with_faults
+from conftest import ROOT, committed_steps, job_env, max_weight_difference, run_job, start_job, termination_message, wait_for, with_faults
 
 pytestmark = pytest.mark.slow  # every test starts the demo job in a subprocess (and most train it)
 
 STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2")
 SLOW = {"seconds_per_step": "0.15"}  # tests/faults: a signal lands while the (otherwise very fast) demo trains
-
-
-def max_weight_difference(a: Path, b: Path) -> float:
-    left, right = load_file(a), load_file(b)
-    assert left.keys() == right.keys()
-    return max((left[k].float() - right[k].float()).abs().max().item() for k in left)
 
 
 def mlflow_runs(output_dir: Path) -> list:

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from safetensors.torch import load_file
 
-from conftest import committed_steps, job_env, run_job, start_job, termination_message, wait_for, with_faults
+from conftest import committed_steps, job_env, max_weight_difference, run_job, start_job, termination_message, wait_for, with_faults
 
 pytestmark = pytest.mark.slow  # each test trains the demo in two processes
 
@@ -46,15 +45,6 @@ def eval_losses(volume: Path) -> dict[int, float]:
     runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
     assert len(runs) == 1, "one MLflow run per job, whatever the number of processes"
     return {m.step: m.value for m in mlflow.MlflowClient().get_metric_history(runs[0].info.run_id, "eval_loss")}
-
-
-def weights(volume: Path, name: str) -> dict:
-    return load_file(volume / name)
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def node_envs(volume: Path, tmp_path: Path, **settings: str) -> list[dict[str, str]]:
@@ -146,7 +136,7 @@ def test_sigterm_to_one_node_stops_both_at_the_same_step_and_the_restart_ends_as
     assert [node.wait(timeout=600) for node in restarted] == [0, 0]
     assert f"resuming from {out}/checkpoints/checkpoint-{stop_step}" in (tmp_path / "restarted-node0.log").read_text()
     for name in ("checkpoints/checkpoint-30/model.safetensors", "final/model/model.safetensors"):
-        difference = max_difference(weights(two_nodes, name), weights(out, name))
+        difference = max_weight_difference(two_nodes / name, out / name)
         print(f"{name}: max abs difference {difference:g}")
         assert difference <= 1e-5, name
 
