@@ -146,6 +146,8 @@ def main(argv: list[str]) -> int:
             if stopped:
                 break
             results[name].append(one(name, round_, overrides))
+    with open(os.path.join(work, "results.json"), "w") as f:  # to render the table again: table(args, argv, stats, results, gemms)
+        json.dump({"argv": argv, "stats": stats, "results": results, "gemms": gemms}, f)
     report = table(args, argv, stats, results, gemms)
     print(report, flush=True)
     if args.out:
@@ -225,7 +227,7 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[
             f"**{peak / 1e9:.1f} GFLOP/s** ({sizes} GFLOP/s; the median matmul per round: {medians})"
         )
     header = "| | " + " | ".join(f"{n} ({'min' if len(ok[n]) > 1 else 'one run'}{' / median' if len(ok[n]) > 1 else ''})" for n in names)
-    header += "".join(f" | {n} / literal (median; per round)" for n in compared) + " |"
+    header += "".join(f" | {n} / literal: of the mins · of the medians · per round" for n in compared) + " |"
     out += ["", header, "|---" * (1 + len(names) + len(compared)) + "|"]
     for label, key, fmt, best in ROWS:
         if not any(key in r for runs in ok.values() for r in runs):
@@ -243,7 +245,9 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[
                 continue
             a = [r[key] for r in ok["literal"] if isinstance(r.get(key), float | int)]
             b = [r[key] for r in ok[n] if isinstance(r.get(key), float | int)]
-            cells.append(f"{statistics.median(b) / statistics.median(a):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})")
+            pick = min if best == "min" else max
+            per_round = ", ".join(f"{x:.2f}" for x in ratios)
+            cells.append(f"{pick(b) / pick(a):.2f} · {statistics.median(b) / statistics.median(a):.2f} · {per_round}")
         mark = " (max / median)" if best == "max" and rounds_done > 1 else ""
         out.append(f"| {label}{mark} | " + " | ".join(cells) + " |")
     layouts = [", ".join(sorted({r.get("layout", "-") for r in ok[n]})) if ok[n] else "-" for n in names]

@@ -52,6 +52,6 @@ def test_ratio_only_from_interleaved_rounds_and_min_median_per_variant():
     two_rounds = {"literal": [_run(1, 100.0), _run(2, 120.0)], "fulltune": [_run(1, 50.0), _run(2, 70.0)]}
     text = bench_run.table(args, [], {}, two_rounds, [])
     wall = next(line for line in text.splitlines() if line.startswith("| end-to-end wall"))
-    assert wall == "| end-to-end wall (s) | 100.0 / 110.0 | 50.0 / 60.0 | 0.55 (0.50, 0.58) |"
+    assert wall == "| end-to-end wall (s) | 100.0 / 110.0 | 50.0 / 60.0 | 0.50 · 0.55 · 0.50, 0.58 |"
     speed = next(line for line in text.splitlines() if line.startswith("| training tokens/s"))
     assert "| 10 / 9 | 20 / 17 |" in speed  # rates: max / median
