@@ -122,7 +122,13 @@ def main(argv: list[str]) -> int:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         running[:] = [proc]
-        stdout, stderr = proc.communicate()
+        loads = [os.getloadavg()[0]]
+        while True:  # the 1-minute load average every 5 s while the run lasts: its start and end miss the spikes
+            try:
+                stdout, stderr = proc.communicate(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                loads.append(os.getloadavg()[0])
         wall = time.perf_counter() - started
         lines = [line for line in stdout.splitlines() if line.startswith("BENCH-RESULT ")]
         log = os.path.join(work, f"{name}-r{round_}.log")
@@ -132,7 +138,7 @@ def main(argv: list[str]) -> int:
             why = "stopped: out of time" if stopped else f"failed (exit {proc.returncode})"
             print(f"bench: round {round_} {name} {why}; log: {log}\n{(stdout + stderr)[-3000:]}", flush=True)
             return {"failed": proc.returncode, "stopped": bool(stopped), "round": round_}
-        result = json.loads(lines[-1].removeprefix("BENCH-RESULT ")) | {"wall_s": wall, "overrides": overrides, "round": round_}
+        result = json.loads(lines[-1].removeprefix("BENCH-RESULT ")) | {"wall_s": wall, "overrides": overrides, "round": round_, "load_max": max(loads)}
         print(f"bench: round {round_} {name}: {json.dumps({k: v for k, v in result.items() if k != 'losses'})}", flush=True)
         return result
 
@@ -178,6 +184,11 @@ def summary(values: list[float], fmt: str, best: str) -> str:
     top = min(values) if best == "min" else max(values)
     a, b = fmt.format(top), fmt.format(statistics.median(values))
     return a if a == b and len({fmt.format(v) for v in values}) == 1 else f"{a} / {b}"
+
+
+def load(run: dict) -> str:
+    start, end = run["load_avg"]
+    return f"load {start:.1f}→{end:.1f}" + (f", max {run['load_max']:.1f}" if "load_max" in run else "")
 
 
 def paired(results: dict[str, list[dict]], name: str, base: str, key: str) -> list[float]:
@@ -254,9 +265,9 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[
     out.append("| layout (seqs x passes), recomputation, padding-free | " + " | ".join(layouts + [""] * len(compared)) + " |")
     if not compared and len(names) > 1 and "literal" in names:
         out.append("\nNo ratio: variants are compared only when both ran in at least 2 interleaved rounds.")
-    out.append("\nRuns in order (1-minute load average when each run started → ended):")
+    out.append("\nRuns in order (1-minute load average when each run started → ended, and the highest seen every 5 s; the run's own threads add ~2):")
     for i in range(1, args.rounds + 1):
-        parts = [f"GEMM {g['peak_flops'] / 1e9:.1f} GFLOP/s (load {g['load_avg'][0]:.1f}→{g['load_avg'][1]:.1f})" for g in gemms if g["round"] == i]
+        parts = [f"GEMM {g['peak_flops'] / 1e9:.1f} GFLOP/s ({load(g)})" for g in gemms if g["round"] == i]
         for n in names:
             for r in results[n]:
                 if r["round"] != i:
@@ -264,7 +275,7 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[
                 if "failed" in r:
                     parts.append(f"{n} {'stopped' if r['stopped'] else 'failed'}")
                 else:
-                    parts.append(f"{n} {r['wall_s']:.1f} s, {r['tokens_per_s']:.0f} tokens/s (load {r['load_avg'][0]:.1f}→{r['load_avg'][1]:.1f})")
+                    parts.append(f"{n} {r['wall_s']:.1f} s, {r['tokens_per_s']:.0f} tokens/s ({load(r)})")
         if parts:
             out.append(f"- round {i}: " + "; ".join(parts))
     if ok.get("literal"):
