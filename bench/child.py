@@ -1,4 +1,12 @@
-"""One variant of the benchmark, in its own process (started by bench/run.py)."""
+"""One run of one variant of the benchmark, in its own process (started by bench/run.py).
+
+- `literal`: the seed notebook's `SFTTrainer` call, written out by hand: that is its point.
+- `fulltune` and every `--variant`: the job's own trainer, `trainer.job.build_trainer`, on a `Config` built
+  from `FT_*` values as entrypoint.py builds it, after the same stages `job.run` runs before it (memory
+  plan, tokenizer, `data.prepare`).  Nothing here re-creates the job's `SFTTrainer` setup, so the benchmark
+  measures what users run.  On GPU the weights are a random-init model built on the device (`net=`).
+- `gemm`: the float32 matrix-multiply peak of this CPU, with the threads the other children use.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import time
 from typing import Any
 
@@ -47,6 +56,16 @@ def _splits(work: str):
     return dataset["train"].train_test_split(test_size=0.1, seed=42)
 
 
+def save_steps(args) -> int:
+    """`--save-steps`, or after the last step (the seed's 25 with 20 steps: no checkpoint is written)."""
+    return args.save_steps or args.eval_steps * (args.steps // args.eval_steps + 1)
+
+
+def run_dir(args, work: str, name: str) -> str:
+    """A fresh output folder per variant and round: no data cache or checkpoint carries over between runs."""
+    return os.path.join(work, f"out-{name}-r{args.round}")
+
+
 def literal(args, work: str, cuda: bool, timer) -> Any:
     """The seed notebook's cells, changed only where today's libraries or the benchmark require it."""
     import torch
@@ -62,7 +81,7 @@ def literal(args, work: str, cuda: bool, timer) -> Any:
         tokenizer.pad_token = tokenizer.eos_token
     dataset = _splits(work)
     training_args = SFTConfig(
-        output_dir=os.path.join(work, "out-literal"),
+        output_dir=run_dir(args, work, "literal"),
         per_device_train_batch_size=1,
         per_device_eval_batch_size=1,
         gradient_accumulation_steps=8,
@@ -70,7 +89,7 @@ def literal(args, work: str, cuda: bool, timer) -> Any:
         max_steps=args.steps,
         eval_steps=args.eval_steps,
         logging_steps=1,  # the seed logs every 10; every step here, for the loss-parity comparison
-        save_steps=args.eval_steps * (args.steps // args.eval_steps + 1),  # the seed's 25: after the last step
+        save_steps=save_steps(args),  # the seed's 25
         save_total_limit=2,
         report_to="none" if args.no_mlflow else "mlflow",
         warmup_steps=10,
@@ -89,18 +108,20 @@ def literal(args, work: str, cuda: bool, timer) -> Any:
         max_length=args.max_length,  # the seed left TRL's default (1024); the same limit for both variants here
         disable_tqdm=True,
     )
-    return SFTTrainer(model=model, args=training_args, train_dataset=dataset["train"], eval_dataset=dataset["test"], processing_class=tokenizer, callbacks=[timer])
+    trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset["train"], eval_dataset=dataset["test"], processing_class=tokenizer, callbacks=[timer])
+    trainer.bench_layout = "1x8, every layer, off"
+    return trainer
 
 
 def fulltune_env(args, work: str, name: str, overrides: dict[str, str]) -> dict[str, str]:
-    save = args.eval_steps * (args.steps // args.eval_steps + 1)  # after the last step, like the seed's 25
     env = {
+        "FT_PLATFORM": "none",  # the machine's own variables (SageMaker, ...) do not steer the benchmark
         "FT_MODEL": os.path.join(work, "model"),
         "FT_DATASET": os.path.join(work, "data", "train.jsonl"),
-        "FT_OUTPUT_DIR": os.path.join(work, f"out-{name}"),
+        "FT_OUTPUT_DIR": run_dir(args, work, name),
         "FT_MAX_STEPS": str(args.steps),
         "FT_EVAL_STEPS": str(args.eval_steps),
-        "FT_SAVE_STEPS": str(save),
+        "FT_SAVE_STEPS": str(save_steps(args)),
         "FT_LOGGING_STEPS": "1",
         "FT_MAX_LENGTH": str(args.max_length),
         "FT_REGISTERED_MODEL": "",
@@ -109,42 +130,32 @@ def fulltune_env(args, work: str, name: str, overrides: dict[str, str]) -> dict[
     return env | overrides
 
 
-def fulltune(args, work: str, name: str, overrides: dict[str, str], cuda: bool, timer) -> Any:
-    """This project's job, stage by stage as trainer/job.py runs it (without the final save)."""
+def fulltune_config(args, work: str, name: str, overrides: dict[str, str], cuda: bool) -> Any:
+    """The job's configuration for these `FT_*` values, built as entrypoint.py builds it (device given, not probed)."""
     import torch
-    from trl import SFTTrainer
 
-    from trainer import data, memory, model, progress, recipe
+    from trainer import config as job_config
     from trainer import settings as settings_table
 
     settings = settings_table.load(fulltune_env(args, work, name, overrides))
-    precision = model.resolve_precision(settings, cuda, cuda and torch.cuda.is_bf16_supported())
-    plan = memory.preflight(settings, precision, cuda)
+    return job_config.build(settings, cuda=cuda, bf16_supported=cuda and torch.cuda.is_bf16_supported())
+
+
+def fulltune(config: Any, timer: Any = None) -> Any:
+    """The job's trainer: the stages trainer/job.py runs before training, then `job.build_trainer` itself."""
+    from trainer import data, job, memory, model, recipe
+
+    settings = config.settings
+    plan = memory.preflight(config)
     tokenizer = model.load_tokenizer(settings)
-    if hasattr(data, "prepare"):
-        prepared = data.prepare(settings, tokenizer)
-        train_rows, eval_rows = prepared.train, prepared.eval
-    else:
-        train_rows, eval_rows = data.load_splits(settings)
-    if cuda:
-        net = _gpu_model(settings.model, torch.float32)
+    prepared = data.prepare(settings, tokenizer)
+    net = None
+    if config.cuda:  # random-init weights built on the GPU, in the precision's weight dtype (bf16 for bf16-sr)
+        net = _gpu_model(settings.model, config.precision.dtype())
         net.config.pad_token_id = tokenizer.pad_token_id
-    else:
-        net = model.load_model(settings, tokenizer)
-    net = recipe.prepare_model(net, settings, cuda)
-    config = recipe.sft_config(settings, precision, plan, cuda)
-    if args.no_mlflow:
-        config.report_to = []
-    trainer = SFTTrainer(
-        model=net,
-        args=config,
-        data_collator=recipe.collator(settings, tokenizer, cuda),
-        train_dataset=train_rows,
-        eval_dataset=recipe.eval_rows(settings, eval_rows),
-        processing_class=tokenizer,
-        callbacks=[progress.Progress(net.config, net.num_parameters(), settings.batch_size * settings.gradient_accumulation_steps, cuda), timer],
-    )
-    trainer.bench_layout = f"{plan.sequences_per_pass}x{plan.passes_per_step}, {memory.checkpointing_label(plan.checkpoint_every, plan.layers)}, {'on' if recipe.padding_free(settings, cuda) else 'off'}"
+    trainer = job.build_trainer(config, tokenizer, prepared, plan, net=net, callbacks=(timer,) if timer is not None else ())
+    layout = f"{plan.sequences_per_pass}x{plan.passes_per_step}, {memory.checkpointing_label(plan.checkpoint_every, plan.layers)}"
+    trainer.bench_layout = f"{layout}, {'on' if recipe.padding_free(settings, config.cuda) else 'off'}"
     return trainer
 
 
@@ -165,26 +176,61 @@ def eval_loss(net: Any, tokenizer: Any, work: str, max_length: int, cuda: bool) 
     return total / count
 
 
+def gemm(seconds: float = 3.0, sizes: tuple[int, ...] = (1024, 2048)) -> dict:
+    """fp32 matrix-multiply FLOP/s on this CPU with torch's default threads (those the training children use).
+
+    For each size: warm up, then time single matmuls for `seconds`; the best one is the peak, the median
+    says how much of it the machine gave during the measurement.
+    """
+    import torch
+
+    best, medians = {}, {}
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        for _ in range(2):
+            torch.mm(a, b)
+        times, until = [], time.perf_counter() + seconds
+        while time.perf_counter() < until or len(times) < 3:
+            started = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - started)
+        best[n], medians[n] = 2 * n**3 / min(times), 2 * n**3 / statistics.median(times)
+    return {"peak_flops": max(best.values()), "median_flops": max(medians.values()), "by_size": {str(n): best[n] for n in sizes}, "threads": torch.get_num_threads()}
+
+
 def run(args) -> dict:
     import contextlib
 
+    work, name, overrides = args.work, args.child, json.loads(args.overrides)
+    # before trainer.tracking is imported: it reads the URI once
+    os.environ.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + os.path.join(work, f"mlflow-{name}-r{args.round}.db"))
+    load_before = os.getloadavg()[0]
+    if name == "gemm":
+        return gemm() | {"load_avg": [load_before, os.getloadavg()[0]]}
+
     import torch
 
-    work, name, overrides = args.work, args.child, json.loads(args.overrides)
     cuda = args.gpu and torch.cuda.is_available()
     if args.gpu and not cuda:
         raise SystemExit("--gpu: no CUDA device here")
-    os.environ.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + os.path.join(work, f"mlflow-{name}.db"))
     timer = _timer(args.t0)
-    trainer = literal(args, work, cuda, timer) if name == "literal" else fulltune(args, work, name, overrides, cuda, timer)
+    context: Any = contextlib.nullcontext()
+    if name == "literal":
+        trainer = literal(args, work, cuda, timer)
+        if not args.no_mlflow:
+            import mlflow
+
+            context = mlflow.start_run(run_name=f"bench-{name}", log_system_metrics=True)
+    else:
+        config = fulltune_config(args, work, name, overrides, cuda)
+        trainer = fulltune(config, timer)
+        if not args.no_mlflow:  # the job's own MLflow run, as job.run opens it around training
+            from trainer import tracking
+
+            tracking.configure(config.settings)
+            context = tracking.job_run(config)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    if args.no_mlflow:
-        context = contextlib.nullcontext()
-    else:
-        import mlflow
-
-        context = mlflow.start_run(run_name=f"bench-{name}", log_system_metrics=True)
     with context:
         started = time.perf_counter()
         trainer.train()
@@ -193,6 +239,11 @@ def run(args) -> dict:
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e]
     evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+
+    from trainer import progress
+
+    net = trainer.model
+    flops_per_token = progress.flops_per_token(net.config, net.num_parameters(), tokens / (args.steps * 8))
     result = {
         "tokens": tokens,
         "train_s": timer.train_s,
@@ -200,17 +251,17 @@ def run(args) -> dict:
         "first_step_s": timer.first_step_s,
         "eval_s": in_train - timer.train_s,
         "peak_gb": peak,
+        "flops_per_token": flops_per_token,
+        "model_flops": tokens / timer.train_s * flops_per_token,  # model FLOP/s inside optimizer steps (recomputation not counted)
         "losses": losses,
         "trainer_eval_loss": evals[-1] if evals else None,
-        "layout": getattr(trainer, "bench_layout", "1x8, on, off"),
+        "layout": trainer.bench_layout,
+        "threads": torch.get_num_threads(),
     }
     if cuda:
-        from trainer import progress
-
-        net = trainer.model
-        flops = progress.flops_per_token(net.config, net.num_parameters(), tokens / (args.steps * 8))
-        result["mfu"] = result["tokens_per_s"] * flops / (progress.peak_flops(torch.cuda.get_device_name(0)) or math.inf)
+        result["mfu"] = result["model_flops"] / (progress.peak_flops(torch.cuda.get_device_name(0)) or math.inf)
     result["eval_loss"] = eval_loss(trainer.model, trainer.processing_class, work, args.max_length, cuda)
+    result["load_avg"] = [load_before, os.getloadavg()[0]]
     return result
 
 
@@ -218,13 +269,14 @@ def dry_run(args, work: str) -> None:
     """Memory plans for the fulltune settings on an 80 GB GPU (H100), from config.json alone."""
     from trainer import memory, model
     from trainer import settings as settings_table
+    from trainer.config import PRECISIONS, Config
 
     base = fulltune_env(args, work, "dry-run", dict(s.split("=", 1) for s in args.set))
-    for extra in ({}, {"FT_MAX_LENGTH": "4096"}, {"FT_BATCH_LAYOUT": "as-set"}):
+    for extra in ({}, {"FT_MAX_LENGTH": "4096"}, {"FT_BATCH_LAYOUT": "as-set"}, {"FT_PRECISION": "bf16-sr"}):
         env = base | {"FT_GPU_MEMORY_GB": base.get("FT_GPU_MEMORY_GB", "80"), "FT_PREFLIGHT": "warn"} | extra
         settings = settings_table.load(env)
-        print(f"bench: dry run {extra or 'defaults'}, FT_MAX_LENGTH={settings.max_length}:", flush=True)
-        chosen = memory.preflight(settings, "bf16-mixed", cuda=False)
-        config = model.read_config(settings)
-        n = model.parameter_count(config)
+        precision = PRECISIONS["bf16-sr" if settings.precision == "bf16-sr" else "bf16-mixed"]  # as on a bf16 GPU
+        print(f"bench: dry run {extra or 'defaults'}, FT_MAX_LENGTH={settings.max_length}, {precision.name}:", flush=True)
+        chosen = memory.preflight(Config(settings, cuda=False, precision=precision))
+        n = model.parameter_count(model.read_config(settings))
         print(f"bench:   {n / 1e9:.3f}B parameters; chosen {chosen.describe()}", flush=True)

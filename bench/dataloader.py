@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/dataloader.py [--steps 200] [--workers 0,2]
 
-Builds the Trainer of the real job (trainer/recipe.py: padding-free collator, 8 sequences a step) on
+Builds the Trainer of the real job (`trainer.job.build_trainer`: padding-free collator, 8 sequences a step) on
 rows shaped like data.prepare's output (`input_ids` and `labels`, int32, Arrow-backed) with
 Capybara-like lengths (bench/synthetic.py's log-normal, mean ~1.1k tokens, cut at 2048), then times
 `get_train_dataloader()` alone: reading rows, collating, and handing the batch over.  The number to
@@ -43,21 +43,21 @@ def seconds_per_step(workers: int, data, steps: int, sequences_per_step: int) ->
     """Mean wall time per optimizer step's batches, after a warm-up step (workers started)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    from trl import SFTTrainer
 
     from bench import synthetic
-    from trainer import recipe
+    from trainer import config as job_config
+    from trainer import data as job_data
+    from trainer import job
     from trainer import settings as settings_table
-    from trainer.config import PRECISIONS
     from trainer.memory import Plan
 
     with tempfile.TemporaryDirectory() as out:
-        settings = settings_table.load({"FT_OUTPUT_DIR": out, "FT_DATALOADER_WORKERS": str(workers), "FT_MAX_LENGTH": "2048"})
+        env = {"FT_PLATFORM": "none", "FT_OUTPUT_DIR": out, "FT_DATALOADER_WORKERS": str(workers), "FT_MAX_LENGTH": "2048", "FT_TERMINATION_MESSAGE_PATH": ""}
+        config = job_config.build(settings_table.load(env), cuda=False, bf16_supported=False)
         tokenizer = synthetic.tokenizer()
         net = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-        args = recipe.sft_config(settings, PRECISIONS["fp32"], Plan(sequences_per_step, 1, 0, {}, 0.0), cuda=False)
-        args.report_to = []
-        trainer = SFTTrainer(model=net, args=args, train_dataset=data, eval_dataset=data.select(range(2)), processing_class=tokenizer, data_collator=recipe.collator(settings, tokenizer, cuda=False))
+        prepared = job_data.Prepared(train=data, eval=data.select(range(2)), report={})
+        trainer = job.build_trainer(config, tokenizer, prepared, Plan(sequences_per_step, 1, 0, {}, 0.0), net=net)  # the job's own Trainer
         loader = trainer.get_train_dataloader()
         batches = iter(loader)
         next(batches)  # warm-up: workers fork and prefetch here
