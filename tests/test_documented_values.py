@@ -288,6 +288,16 @@ ELSEWHERE = {
     "FT_TERMINATION_MESSAGE_PATH": "test_an_empty_termination_message_path_writes_nothing",
     "FT_DIVERGENCE_PATIENCE": "test_off_with_patience_0_and_a_limit_only_counts_when_set",
     "FT_LOSS_LIMIT": "test_a_loss_above_the_limit_stops_the_job_after_the_patience",
+    "FT_NUM_PROCESSES": "test_two_processes_train_like_one_with_the_same_global_batch",  # 2; 0 (the default) everywhere else
+    "FT_DISTRIBUTED": "test_two_processes_train_like_one_with_the_same_global_batch",  # ddp there, fsdp refused on CPU in test_fsdp_is_refused_on_cpu_before_loading_weights
+    "FT_NUM_NODES": "test_two_nodes_train_one_model_in_one_run",  # filled in from PET_NNODES
+    "FT_NODE_RANK": "test_two_nodes_train_one_model_in_one_run",
+    "FT_MASTER_ADDR": "test_two_nodes_train_one_model_in_one_run",
+    "FT_MASTER_PORT": "test_two_nodes_train_one_model_in_one_run",
+    "FT_COLLECTIVE_TIMEOUT_SECONDS": "test_a_rank_that_dies_fails_the_whole_job_fast",  # the default; the dead rank is noticed long before it
+    "FT_EARLY_STOPPING_PATIENCE": "test_a_run_whose_eval_loss_rises_stops_early_with_exit_0_and_the_best_checkpoint_as_final_model",
+    "FT_EVAL_SAMPLES": "test_the_same_validation_prompts_are_answered_at_step_0_and_at_each_evaluation",
+    "FT_EVAL_SAMPLE_TOKENS": "test_each_answer_is_what_transformers_generates_greedily_from_that_steps_weights",
 }
 
 

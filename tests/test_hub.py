@@ -31,7 +31,7 @@ def test_an_unreachable_hub_exits_1_within_seconds_naming_the_id_and_how_to_run_
     assert f"exit 1: {variable}={ids[variable]!r}: the Hugging Face hub at {CLOSED_PORT} is unreachable (ConnectError" in result.stderr
     assert "set HF_HUB_OFFLINE=1" in result.stderr and f"{variable}=<" in result.stderr and "Traceback" not in result.stderr
     assert "the Hugging Face hub" in termination_message(env)
-    assert not out.exists(), "nothing is written before the hub answers"
+    assert not out.exists() or not any(out.iterdir()), "nothing is written before the hub answers (entrypoint.py only checked the folder is writable)"
     print(f"{variable}: exit 1 after {elapsed:.1f} s")
     assert elapsed < 30, elapsed  # huggingface_hub's own retries alone took 23 s per id, 52 s for a dataset
 

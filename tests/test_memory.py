@@ -23,10 +23,14 @@ def _settings(**changes):
     return settings_table.load(env)
 
 
-def _qwen3_4b():
+def _qwen3(path):
     from transformers import Qwen3Config
 
-    return Qwen3Config(**{k: v for k, v in json.loads(QWEN3_4B.read_text()).items() if k not in ("architectures", "torch_dtype")})
+    return Qwen3Config(**{k: v for k, v in json.loads(path.read_text()).items() if k not in ("architectures", "torch_dtype")})
+
+
+def _qwen3_4b():
+    return _qwen3(QWEN3_4B)
 
 
 def test_qwen3_4b_needs_16_bytes_per_parameter_before_activations():
@@ -159,17 +163,16 @@ def test_disk_check_names_the_settings_when_checkpoints_do_not_fit(tmp_path):
 
 def test_a_model_too_big_for_one_gpu_is_told_how_many_gpus_fit_it_and_they_do(tmp_path):
     """Qwen3-8B (weights, gradients and AdamW states alone: 131 GB) on 80 GB H100s: the preflight names the GPUs."""
-    from trainer import config as job_config
+    from trainer import model
     from trainer import settings as settings_table
-    from trainer.errors import ConfigError
 
-    env = {"FT_MODEL": str(ROOT / "bench" / "configs" / "qwen3-8b"), "FT_OUTPUT_DIR": str(tmp_path), "FT_GPU_MEMORY_GB": "85.5", "FT_PLATFORM": "none"}
-    one = job_config.build(settings_table.load(env), cuda=True, bf16_supported=True)
-    with pytest.raises(ConfigError, match=r"FT_NUM_PROCESSES=4 \(FSDP across 4 GPUs"):
-        memory.preflight(one)
-    four = job_config.build(settings_table.load(env | {"FT_NUM_PROCESSES": "4", "FT_PREFLIGHT": "warn"}), cuda=True, bf16_supported=True)
-    chosen = memory.preflight(four)
-    assert (chosen.strategy, chosen.processes) == ("fsdp", 4) and chosen.fits
-    assert chosen.breakdown["weights"] + chosen.breakdown["gradients"] + chosen.breakdown["optimizer"] == pytest.approx(16 * 8_190_735_360 / 4, rel=1e-3)
-    two = job_config.build(settings_table.load(env | {"FT_NUM_PROCESSES": "2", "FT_PREFLIGHT": "warn"}), cuda=True, bf16_supported=True)
-    assert not memory.preflight(two).fits  # 2 shards are not enough: 4 is the smallest
+    config = _qwen3(ROOT / "bench" / "configs" / "qwen3-8b" / "config.json")
+    n = model.parameter_count(config)
+    settings = settings_table.load({"FT_OUTPUT_DIR": str(tmp_path), "FT_PLATFORM": "none"})
+    mixed, capacity = PRECISIONS["bf16-mixed"], 85.5e9
+    assert not memory.plan(config, n, settings, mixed, capacity, "auto", 1).fits
+    assert any(fix.startswith("FT_NUM_PROCESSES=4 (FSDP across 4 GPUs") for fix in memory._fixes(config, n, settings, mixed, capacity, 1))
+    four = memory.plan(config, n, settings, mixed, capacity, "auto", 4)
+    assert (four.strategy, four.processes) == ("fsdp", 4) and four.fits
+    assert four.breakdown["weights"] + four.breakdown["gradients"] + four.breakdown["optimizer"] == pytest.approx(16 * n / 4)
+    assert not memory.plan(config, n, settings, mixed, capacity, "auto", 2).fits  # 2 shards are not enough: 4 is the smallest
