@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SECRET = "hf_do_not_leak_0123456789"
+DEMO_NAME = "demo.default.tiny_qwen3_assistant"  # what the demo preset registers
 
 
 def job_env(output_dir: Path | str, **settings: str) -> dict[str, str]:
@@ -82,3 +85,46 @@ def demo_assets(tmp_path_factory) -> Path:
     from trainer import demo
 
     return Path(demo.ensure_demo(str(tmp_path_factory.mktemp("demo-assets"))))
+
+
+@pytest.fixture(scope="session")
+def demo_job_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The demo job (40 steps, registered in the embedded store), run once for the tests that look at its results."""
+    out = tmp_path_factory.mktemp("demo") / "volume"
+    # MLflow samples system metrics every 10 s by default, longer than this demo job trains.
+    result = run_job(job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out, result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def greedy_reply(model_dir: Path, text: str, max_new_tokens: int, tokenizer_dir: Path | None = None, dtype=None) -> list[int]:
+    """The reply's token ids, as transformers generates them greedily from the weights in `model_dir` (in `dtype`,
+    default as stored) with the tokenizer and chat template in `tokenizer_dir` (default: the same folder)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {}))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
+    return output[0, prompt["input_ids"].shape[1] :].tolist()
+
+
+def assert_answers_as_transformers_does(response: dict, model_dir: Path, text: str, max_tokens: int, name: str = DEMO_NAME) -> None:
+    """`response` is an OpenAI chat.completion whose answer is, token for token, the greedy reply of the weights in
+    `model_dir`, and which names the model `name`."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    reply = greedy_reply(model_dir, text, max_tokens)
+    expected = AutoTokenizer.from_pretrained(model_dir).decode(reply, skip_special_tokens=True)
+    print(f"served {response['choices'][0]['message']['content']!r}, transformers {expected!r} ({len(reply)} tokens)")
+    assert response["object"] == "chat.completion" and response["model"] == name
+    assert response["choices"][0]["message"] == {"role": "assistant", "content": expected}
+    assert response["usage"]["completion_tokens"] == len(reply)
+    cut_short = len(reply) == max_tokens and reply[-1] != GenerationConfig.from_pretrained(model_dir).eos_token_id
+    assert response["choices"][0]["finish_reason"] == ("length" if cut_short else "stop")

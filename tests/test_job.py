@@ -13,18 +13,24 @@ import mlflow
 import pytest
 import torch
 
-from conftest import ROOT, committed_steps, job_env, run_job, termination_message, wait_for
-
-SECRET = "hf_do_not_leak_0123456789"
-DEMO_NAME = "demo.default.tiny_qwen3_assistant"
+from conftest import (
+    DEMO_NAME,
+    ROOT,
+    SECRET,
+    assert_answers_as_transformers_does,
+    committed_steps,
+    free_port,
+    greedy_reply,
+    job_env,
+    run_job,
+    termination_message,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
-def demo_job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "volume"
-    # MLflow samples system metrics every 10 s by default, longer than this demo job trains.
-    result = run_job(job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5"))
-    assert result.returncode == 0, result.stdout + result.stderr
+def demo_job(demo_job_run):
+    out, result = demo_job_run
     mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow/mlflow.db")
     return out, result
 
@@ -38,40 +44,9 @@ def only_run():
 PROMPT = "Reverse: apple river stone"
 
 
-def greedy_reply(model_dir: Path, text: str, max_new_tokens: int, tokenizer_dir: Path | None = None, dtype: torch.dtype | None = None) -> list[int]:
-    """The reply's token ids, as transformers generates them greedily from the weights in `model_dir` (in `dtype`,
-    default as stored) with the tokenizer and chat template in `tokenizer_dir` (default: the same folder)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {}))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    output = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
-    return output[0, prompt["input_ids"].shape[1] :].tolist()
-
-
 def served_greedy_answer(model, text: str, max_tokens: int) -> dict:
-    """A chat request to the MLflow pyfunc (task llm/v1/chat), decoded greedily.
-
-    The served model runs transformers' text-generation pipeline, which samples (do_sample=True, temperature 0.7)
-    unless the model's generation_config.json says otherwise; the demo model's does not.  A chat request cannot
-    ask for do_sample=False (the signature has no params and extra fields are dropped) and transformers rejects
-    temperature 0, so the request sets top_k=1: only the most likely token is kept at every step, which is greedy.
-    """
-    return model.predict({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "top_k": 1})[0]
-
-
-def assert_answers_as_transformers_does(response: dict, model_dir: Path, text: str, max_tokens: int) -> None:
-    """The served answer is, token for token, the greedy reply of the weights in `model_dir`."""
-    from transformers import AutoTokenizer
-
-    reply = greedy_reply(model_dir, text, max_tokens)
-    expected = AutoTokenizer.from_pretrained(model_dir).decode(reply, skip_special_tokens=True).lstrip()  # MLflow strips leading whitespace
-    print(f"served {response['choices'][0]['message']['content']!r}, transformers {expected!r} ({len(reply)} tokens)")
-    assert response["object"] == "chat.completion"
-    assert response["choices"][0]["message"] == {"role": "assistant", "content": expected}
-    assert response["usage"]["completion_tokens"] == len(reply)
-    assert response["choices"][0]["finish_reason"] == ("length" if len(reply) == max_tokens else "stop")
+    """A chat request with temperature 0 (greedy) to the registered model, loaded in this process."""
+    return model.predict({"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": max_tokens})
 
 
 @pytest.mark.slow  # the demo job, 40 steps, in a subprocess
@@ -141,12 +116,6 @@ def test_registration_is_one_copy_of_the_weights_on_the_volume(demo_job):
     out, _ = demo_job
     weights = [p for p in out.rglob("*.safetensors") if "checkpoints" not in p.parts and "demo" not in p.parts]
     assert [p.relative_to(out) for p in weights] == [Path("final/model/model.safetensors")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

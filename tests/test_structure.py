@@ -30,8 +30,15 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_only_the_tracking_module_imports_mlflow():
+    """serving.py is the one exception: it is no part of the job but the saved model's code, which MLflow copies into
+    the model and runs in the serving process (it subclasses mlflow.pyfunc.PythonModel); it opens no run."""
     importers = [path.name for path in CODE if any(name == "mlflow" or name.startswith("mlflow.") for name in _imports(path))]
-    assert importers == ["tracking.py"]
+    assert importers == ["serving.py", "tracking.py"]
+
+
+def test_the_serving_module_imports_nothing_of_fulltune():
+    """It runs alone inside `mlflow models serve`, where the trainer package is not installed."""
+    assert not {name for name in _imports(ROOT / "trainer" / "serving.py") if name.split(".")[0] in ("trainer", "entrypoint")}
 
 
 def layout_paths_built(source: str) -> list[str]:

@@ -145,10 +145,16 @@ def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume) -> 
         "parameter_count": str(n_params),
     }
     with staged(volume.final) as partial:
-        tracking.save_model(net, tokenizer, partial, metadata)
+        tracking.save_model(net, tokenizer, partial, metadata, served_name=_served_name(settings.registered_model, metadata["pretrained_model_name"]))
         follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
     shutil.rmtree(volume.gathered, ignore_errors=True)
     return metadata
+
+
+def _served_name(registered: str, base: str) -> str:
+    """The name the served model answers with: the registered name, else the base model's hub id (a local base
+    model's folder name: a path says nothing to a chat client)."""
+    return registered or (os.path.basename(os.path.normpath(base)) if os.path.isdir(base) else base)
 
 
 def _whole_model(trainer: Any, volume: Volume) -> Any:

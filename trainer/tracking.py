@@ -5,7 +5,7 @@ artifacts, the saved model, and the model registry.
     with job_run(config) as run:        # FINISHED, KILLED (stopped: a restart continues it) or FAILED
         log_metrics({...}, step)        # also what MetricsCallback sends at each Trainer log
         log(tags=..., metrics=..., artifacts={"data/report.json": report})
-        save_model(net, tokenizer, volume.final, metadata)
+        save_model(net, tokenizer, volume.final, metadata, served_name)
         register(settings, volume.final, metadata)
 
 With no MLFLOW_TRACKING_URI, tracking and the registry live in a SQLite file on the output volume,
@@ -192,40 +192,33 @@ class MetricsCallback(TrainerCallback):
             log_metrics(metrics, step=state.global_step)
 
 
-def save_model(net: Any, tokenizer: Any, path: str, metadata: dict[str, str]) -> None:
-    """Write the model once, as an MLflow transformers model whose `model/` folder is also a plain transformers
-    folder (weights + tokenizer), so serving and the registry share one copy; the metadata goes to the run too."""
+def save_model(net: Any, tokenizer: Any, path: str, metadata: dict[str, str], served_name: str) -> None:
+    """Write the model once: an MLflow pyfunc model (trainer/serving.py, saved from code) that answers OpenAI-style
+    chat requests as `served_name`, around a `model/` folder that is also a plain transformers folder (weights +
+    tokenizer), so serving and the registry share one copy; the metadata goes to the run too.
+
+    Not the transformers flavor: its llm/v1/chat endpoint fails `temperature: 0` and names the model by a path
+    (trainer/serving.py says why)."""
     import mlflow
 
-    local_base = os.path.isdir(net.name_or_path)  # MLflow looks the name up on the hub for a model card and a license
-    with _without_warnings("mlflow.transformers", "The model card could not be retrieved", "Unable to find license information") if local_base else contextlib.nullcontext():
-        mlflow.transformers.save_model(
-            transformers_model={"model": net, "tokenizer": tokenizer},
-            path=path,
-            task="llm/v1/chat",
-            metadata=metadata,
-            pip_requirements=_serving_requirements(),
-        )
-    tokenizer.save_pretrained(os.path.join(path, "model"))
+    from trainer import serving
+
+    mlflow.pyfunc.save_model(
+        path=path,
+        python_model=serving.__file__,
+        model_config={serving.MODEL_NAME_KEY: served_name},
+        signature=serving.SIGNATURE,
+        input_example=serving.INPUT_EXAMPLE,  # saved as the model's example request; with a signature given, MLflow does not run it
+        metadata=metadata,
+        pip_requirements=_serving_requirements(),
+    )
+    net.save_pretrained(os.path.join(path, serving.WEIGHTS))  # after: MLflow saves only into an empty folder
+    tokenizer.save_pretrained(os.path.join(path, serving.WEIGHTS))
+    saved = mlflow.models.Model.load(path)
+    saved.model_size_bytes = sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(path) for name in names)  # with the weights
+    saved.save(os.path.join(path, "MLmodel"))
     if _open_runs:
         mlflow.log_dict(metadata, "model_metadata.json")
-
-
-@contextlib.contextmanager
-def _without_warnings(logger: str, *prefixes: str) -> Iterator[None]:
-    """Drop the named logger's messages that start with one of `prefixes` (expected, and misleading, here)."""
-    import logging
-
-    class Drop(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return not record.getMessage().startswith(prefixes)
-
-    drop, target = Drop(), logging.getLogger(logger)
-    target.addFilter(drop)
-    try:
-        yield
-    finally:
-        target.removeFilter(drop)
 
 
 def _serving_requirements() -> list[str]:
