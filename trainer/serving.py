@@ -4,7 +4,7 @@ chat.completions requests with the transformers folder beside it (`model/`, the 
     mlflow models serve -m models:/<name>/<version> --env-manager local
     POST /invocations {"messages": [...], "temperature": 0, "max_tokens": 64, "top_p": 0.9, "stop": ["\\n\\n"]}
 
-Why not MLflow's transformers flavor (task llm/v1/chat), which fulltune used before: it hands the request's fields
+Why not MLflow's transformers flavor (task llm/v1/chat): it hands the request's fields
 to the text-generation pipeline unchanged (mlflow/transformers/llm_inference_utils.py, preprocess_llm_inference_input).
 The pipeline samples unless the model's generation_config.json says otherwise, so `temperature: 0`, what most
 clients send for a deterministic answer, reaches transformers' TemperatureLogitsWarper, which refuses it: HTTP 400
