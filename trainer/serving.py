@@ -15,7 +15,7 @@ a chat.completion object.  MLflow's ChatModel class is deprecated since MLflow 3
 speaks the Responses API rather than chat.completions; what MLflow recommends for a model with its own request
 handling is a PythonModel saved from code, which this is.
 
-This file runs inside the serving process: MLflow copies it into the saved model, so it imports only mlflow,
+This file runs inside the serving process: MLflow copies it into the saved model, so it imports only mlflow, pandas,
 torch and transformers, nothing of fulltune.
 """
 
