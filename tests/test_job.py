@@ -179,6 +179,9 @@ def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
     runs = mlflow.search_runs(experiment_names=["server-test"], output_format="list")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert "eval_loss" in runs[0].data.metrics
+    report = (out / "report.html").read_text()  # the run report, uploaded to the server's artifact store, names the server without the password
+    assert "pw-do-not-leak" not in report and "****@127.0.0.1" in report
+    assert Path(mlflow.MlflowClient().download_artifacts(runs[0].info.run_id, "report.html", str(tmp_path))).read_text() == report
     version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
     assert version.run_id == runs[0].info.run_id
     model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")  # downloaded from the server's artifact store

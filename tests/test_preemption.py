@@ -56,6 +56,10 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     assert f"checkpoint at step {stop_step} committed" in log
     assert "exit 75" in termination_message(env)
     assert [r.info.status for r in mlflow_runs(out)] == ["KILLED"]  # metrics flushed, run closed, resumable
+    report = (out / "report.html").read_text()  # the run report says so, on the volume and in the run
+    assert f"stopped by a signal at step {stop_step} (exit 75)" in report
+    artifact = mlflow.MlflowClient().download_artifacts(mlflow_runs(out)[0].info.run_id, "report.html", str(tmp_path))
+    assert Path(artifact).read_text() == report
 
     # 2. SIGKILL while the step-20 checkpoint is being written (after its files, before its manifest).
     result = run_job(with_faults(env, kill_before_commit_at_step=20))

@@ -10,7 +10,7 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, samples, tracking
+from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, report, samples, tracking
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for, record_exit
@@ -45,12 +45,16 @@ def run(config: Config) -> None:
     tracking.configure(settings)
     with tracking.job_run(config):
         tracking.log(**data.tracked(prepared.report))
-        trainer = train(config, tokenizer, prepared, plan, stopper)
+        run_report = report.RunReport(config, plan, prepared.report)
+        trainer = train(config, tokenizer, prepared, plan, stopper, run_report)
         metadata = save_final(config, trainer, tokenizer, volume)
         if ranks.is_main():
             volume.mark_saved(metadata)
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
-            _register(config, volume, metadata)
+            try:
+                _register(config, volume, metadata)
+            finally:
+                run_report.finished()  # also after a failed registration (exit 3): it says where the model is
 
 
 def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, net: Any = None, callbacks: tuple = ()) -> Any:
@@ -99,17 +103,19 @@ def _sample_answers(config: Config, tokenizer: Any, prepared: data.Prepared, pla
     return [samples.SampleAnswers(tokenizer, chosen, settings.eval_sample_tokens, settings.output_dir, bf16)] if chosen else []
 
 
-def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal) -> Any:
+def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport) -> Any:
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
-    raises Preempted (on every rank: they agree on the step, trainer/preemption.py)."""
+    raises Preempted (on every rank: they agree on the step, trainer/preemption.py) once the run report says so."""
     volume = Volume(config.settings.output_dir)
     resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete))  # rank 0 sets cut-short saves aside
     if stopper.requested:
         raise Preempted("stopped before training started; the committed checkpoints are unchanged")
     trainer = build_trainer(config, tokenizer, prepared, plan, callbacks=(stopper,))
+    trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
     print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
     trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
+        run_report.stopped(trainer.state.global_step)
         raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
     if trainer.state.global_step < trainer.state.max_steps:
         _stopped_early(config, trainer)

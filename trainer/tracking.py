@@ -5,6 +5,7 @@ artifacts, the saved model, and the model registry.
     with job_run(config) as run:        # FINISHED, KILLED (stopped: a restart continues it) or FAILED
         log_metrics({...}, step)        # also what MetricsCallback sends at each Trainer log
         log(tags=..., metrics=..., artifacts={"data/report.json": report})
+        log_file(volume.report)             # a file on the volume, as it is
         save_model(net, tokenizer, volume.final, metadata, served_name)
         register(settings, volume.final, metadata)
 
@@ -178,6 +179,35 @@ def log_table(rows: list[dict[str, Any]], artifact_file: str) -> None:
     import mlflow
 
     mlflow.log_table({key: [row[key] for row in rows] for key in rows[0]}, artifact_file)
+
+
+def metric_history(keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (step, value) points as the job's run holds them, in MLflow's order: what its charts show."""
+    if not _open_runs:
+        return {}
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    return {key: [(m.step, m.value) for m in client.get_metric_history(_open_runs[-1], key)] for key in keys}
+
+
+def run_summary() -> dict[str, Any]:
+    """The job's run: its id, where it is (no password), and the latest value of each metric."""
+    if not _open_runs:
+        return {}
+    import mlflow
+
+    run = mlflow.get_run(_open_runs[-1])
+    return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": redact(mlflow.get_tracking_uri()), "metrics": dict(run.data.metrics)}
+
+
+def log_file(path: str) -> None:
+    """A file on the volume as an artifact of the job's run, at the top of its artifacts (replacing an earlier copy)."""
+    if not _open_runs:
+        return
+    import mlflow
+
+    mlflow.log_artifact(path)
 
 
 class MetricsCallback(TrainerCallback):

@@ -72,6 +72,11 @@ class Volume:
         return self._path("eval-samples.jsonl")
 
     @property
+    def report(self) -> str:
+        """The run report: one HTML page with its charts inside, refreshed at every evaluation (trainer/report.py)."""
+        return self._path("report.html")
+
+    @property
     def demo(self) -> str:
         """FT_PRESET=demo: the tiny model, tokenizer and data."""
         return self._path("demo")
@@ -131,11 +136,15 @@ def read_json(path: str, default: Any = None) -> Any:
 
 
 def write_json(path: str, value: Any) -> None:
+    write_text(path, json.dumps(value, indent=1, ensure_ascii=False))
+
+
+def write_text(path: str, text: str) -> None:
     """Write to a temporary file, flush it to disk, then rename it over `path`: readers see the old or the new."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     partial = path + ".tmp"
     with open(partial, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, ensure_ascii=False)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, path)

@@ -1,0 +1,142 @@
+"""The run report: one HTML page on the volume and in the MLflow run, whose charts are the run's metric history,
+and which a browser shows with its images."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlflow
+import pytest
+from PIL import Image
+
+from conftest import job_env, run_job
+from trainer import report
+
+CHROMIUM = shutil.which("chromium")
+
+
+@pytest.fixture(scope="module")
+def reported_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "volume"
+    result = run_job(job_env(out, FT_PRESET="demo", FT_MAX_STEPS="6", FT_EVAL_STEPS="3", FT_SAVE_STEPS="3", FT_LOGGING_STEPS="1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow/mlflow.db")
+    run = mlflow.search_runs(search_all_experiments=True, output_format="list")[0]
+    return out, result.stdout, run, (out / "report.html").read_text(encoding="utf-8")
+
+
+def chart_data(page: str) -> dict:
+    return json.loads(re.search(r'<script id="chart-data" type="application/json">(.*?)</script>', page, re.S).group(1))
+
+
+def charts(page: str) -> dict[str, tuple[str, bytes]]:
+    """Each chart's image in the page: chart id -> (the img tag, the PNG bytes)."""
+    found = re.findall(r'(<img data-chart="([a-z_]+)"[^>]*src="data:image/png;base64,([^"]+)">)', page)
+    return {chart: (tag, base64.b64decode(data)) for tag, chart, data in found}
+
+
+def table_after(page: str, heading: str) -> list[list[str]]:
+    """The text of each cell of the first table after an <h2> heading, row by row."""
+    section = page.split(f"<h2>{heading}</h2>", 1)[1].split("<h2>", 1)[0]
+    rows = re.findall(r"<tr>(.*?)</tr>", section, re.S)
+    return [[html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S)] for row in rows]
+
+
+@pytest.mark.slow  # the demo job, 6 steps, in a subprocess
+def test_each_chart_draws_the_runs_mlflow_metric_history(reported_job):
+    out, log, run, page = reported_job
+    client = mlflow.MlflowClient()
+    data, images = chart_data(page), charts(page)
+    assert set(data) == set(images) == {"loss", "learning_rate", "grad_norm", "tokens_per_s", "memory"}
+    for chart, series in data.items():
+        for key, points in series.items():
+            history = [[m.step, m.value] for m in client.get_metric_history(run.info.run_id, key)]
+            assert points == history and len(points) >= 2, (chart, key)
+        tag, png = images[chart]
+        plan = float(m.group(1)) if (m := re.search(r'data-plan-gb="([^"]+)"', tag)) else None
+        redrawn = report.chart_png(report.CHARTS[chart][0], {key: [[m.step, m.value] for m in client.get_metric_history(run.info.run_id, key)] for key in series}, plan)
+        assert png == redrawn, f"the {chart} image is not the chart of the run's history"
+    assert [p[0] for p in data["loss"]["loss"]] == [1, 2, 3, 4, 5, 6] and [p[0] for p in data["loss"]["eval_loss"]] == [3, 6]
+    written = re.findall(r"^fulltune: run report \(([^)]+)\): (\S+) in [0-9.]+ s$", log, re.M)
+    assert written == [("step 3", str(out / "report.html")), ("step 6", str(out / "report.html")), ("final", str(out / "report.html"))]
+
+
+@pytest.mark.slow  # the demo job, 6 steps, in a subprocess
+def test_the_report_is_on_the_volume_and_in_the_mlflow_run_with_what_a_user_looks_for(reported_job, tmp_path):
+    out, _, run, page = reported_job
+    artifact = mlflow.MlflowClient().download_artifacts(run.info.run_id, "report.html", str(tmp_path))
+    assert Path(artifact).read_text(encoding="utf-8") == page, "the run's artifact is the page on the volume"
+    assert "finished: the final model is saved, registered as demo.default.tiny_qwen3_assistant/1" in page
+    assert html.escape(str(out / "final" / "model")) in page and run.info.run_id in page
+    samples = [json.loads(line) for line in (out / "eval-samples.jsonl").read_text().splitlines()]
+    shown = lambda answer: answer or "(empty: only special tokens or none)"  # noqa: E731
+    before, after = ([s for s in samples if s["step"] == step] for step in (0, 6))
+    expected = [["Prompt", "Reference", "Step 0 (base model)", "Step 6"]]
+    expected += [[b["prompt"], b["reference"], shown(b["answer"]), shown(a["answer"])] for b, a in zip(before, after, strict=True)]
+    assert table_after(page, "Sample answers") == expected and len(expected) == 5
+    peak = max(m.value for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, "mem_gb"))
+    assert f"<th>measured peak</th><th class=n>{peak:.3g} GB</th>" in page and "<th>planned peak</th>" in page
+    assert html.escape((out / "data-report.txt").read_text(encoding="utf-8")) in page
+    assert re.search(r"<td>eval_loss</td><td class=n>[0-9.]+</td>", page)
+    assert not list(out.glob("report.html.*")), "no temporary file left beside it"
+
+
+DECODED = """<script>
+window.addEventListener("load", () => {
+  const images = [...document.images];
+  document.body.dataset.decoded = images.filter((i) => i.complete && i.naturalWidth > 0).length + "/" + images.length;
+  document.body.dataset.widths = images.map((i) => i.naturalWidth).join(",");
+});
+</script>"""
+
+
+def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+    return subprocess.run([CHROMIUM, *flags, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow  # the demo job, 6 steps, in a subprocess
+def test_the_page_renders_in_headless_chromium_with_every_chart(reported_job, tmp_path):
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed: .ci/run installs Debian's package")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    out, _, _, page = reported_job
+    checked = tmp_path / "checked.html"  # the same page, plus a script that records whether each image decoded
+    checked.write_text(page.replace("</body>", DECODED + "\n</body>"), encoding="utf-8")
+    dom = chromium("--dump-dom", "--virtual-time-budget=10000", checked.as_uri(), profile=tmp_path / "profile")
+    assert dom.returncode == 0, dom.stderr
+    body = re.search(r"<body[^>]*>", dom.stdout).group(0)
+    assert 'data-decoded="5/5"' in body and 'data-widths="640,640,640,640,640"' in body, body
+
+    screenshot = tmp_path / "report.png"
+    shot = chromium(f"--screenshot={screenshot}", "--window-size=1280,2000", (out / "report.html").as_uri(), profile=tmp_path / "profile")
+    print(f"screenshot of the run report: {screenshot}")
+    assert shot.returncode == 0 and screenshot.exists(), shot.stderr
+    image = Image.open(screenshot).convert("RGB")
+    assert image.size == (1280, 2000)
+    assert len(image.getcolors(maxcolors=1 << 20)) > 100, "the screenshot shows the charts' colours, not a blank page"
+
+
+def test_a_report_written_before_any_value_is_logged_still_has_every_chart():
+    page = report.render(
+        {
+            "title": "t", "status": "training: step 0 of 10", "final": False, "written": "now",
+            "job": {"model": "m", "data": "d", "precision": "fp32", "max_steps": 10},
+            "history": {}, "run": {}, "samples": [], "data": "<data report>",
+            "plan": {"peak": 2e9, "breakdown": {"weights": 2e9}, "described": "plan", "cuda": False},
+            "where": {"checkpoints": "/v/checkpoints", "committed": []},
+        }
+    )
+    assert all(not points for series in chart_data(page).values() for points in series.values())
+    for chart, (_, png) in charts(page).items():
+        assert Image.open(io.BytesIO(png)).size == (640, 360), chart
+    assert "&lt;data report&gt;" in page and "not measured yet" in page and "committed: none yet" in page
