@@ -10,7 +10,7 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, samples, tracking
+from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, samples, sharding, tracking
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for, record_exit
@@ -59,7 +59,6 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     `net`: an already built model instead of loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
     """
     from transformers import EarlyStoppingCallback, PrinterCallback
-    from trl import SFTTrainer
 
     settings, cuda = config.settings, config.cuda
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
@@ -67,7 +66,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     eval_rows = recipe.eval_rows(settings, prepared.eval)
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
-    trainer = SFTTrainer(
+    trainer = sharding.trainer_class()(  # TRL's SFTTrainer; under FSDP it shards on CPU processes too
         model=net,
         args=args,
         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
@@ -78,6 +77,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         callbacks=[
             checkpoints.CommitCheckpoints(settings.save_total_limit, Volume(settings.output_dir).incomplete),
             *callbacks,
+            *([sharding.ReportShards()] if plan.strategy == "fsdp" else []),
             *_sample_answers(config, tokenizer, prepared, plan),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             tracking.MetricsCallback(),
