@@ -38,6 +38,7 @@ def run(config: Config) -> None:
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
+    checkpoints.check_sharding(checkpoints.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     checkpoints.check_fingerprint(config)
