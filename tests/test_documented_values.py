@@ -289,7 +289,7 @@ ELSEWHERE = {
     "FT_DIVERGENCE_PATIENCE": "test_off_with_patience_0_and_a_limit_only_counts_when_set",
     "FT_LOSS_LIMIT": "test_a_loss_above_the_limit_stops_the_job_after_the_patience",
     "FT_NUM_PROCESSES": "test_two_processes_train_like_one_with_the_same_global_batch",  # 2; 0 (the default) everywhere else
-    "FT_DISTRIBUTED": "test_two_processes_train_like_one_with_the_same_global_batch",  # ddp there, fsdp refused on CPU in test_fsdp_is_refused_on_cpu_before_loading_weights
+    "FT_DISTRIBUTED": "test_two_processes_train_like_one_with_the_same_global_batch",  # ddp there; fsdp in test_fsdp_shards_the_model_over_two_cpu_processes_and_trains_what_one_process_trains
     "FT_NUM_NODES": "test_two_nodes_train_one_model_in_one_run",  # filled in from PET_NNODES
     "FT_NODE_RANK": "test_two_nodes_train_one_model_in_one_run",
     "FT_MASTER_ADDR": "test_two_nodes_train_one_model_in_one_run",

@@ -29,6 +29,7 @@ from trainer.volume import Volume, follow_umask, read_json, write_json
 
 MANIFEST = "commit.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # accelerate's FSDP_MODEL_NAME, FULL_STATE_DICT
 
 
 def _fsync_tree(folder: str) -> dict[str, int]:
@@ -77,6 +78,26 @@ def latest_for_resume(checkpoint_dir: str, quarantine_dir: str) -> str | None:
             target = set_aside(path, quarantine_dir)
             print(f"fulltune: checkpoint at step {step} was never committed (save cut short): moved to {target}", flush=True)
     return last_committed(checkpoint_dir)
+
+
+def check_sharding(checkpoint: str | None, strategy: str) -> None:
+    """Refuse (exit 2), before any weights load, to resume a checkpoint in a layout this job cannot read.
+
+    Under FSDP, accelerate writes the whole weights and AdamW states keyed by parameter name (`pytorch_model_fsdp.bin`,
+    `optimizer.bin`, gathered on rank 0), which any number of FSDP processes can load; one process or DDP write
+    torch's own `optimizer.pt`, keyed by position.  transformers 5.24 resumes each only the way it was written (a
+    ValueError or a missing file after the model has loaded)."""
+    if checkpoint is None:
+        return
+    by_fsdp = os.path.exists(os.path.join(checkpoint, FSDP_WEIGHTS))
+    if by_fsdp == (strategy == "fsdp"):
+        return
+    written, now = ("FSDP", strategy if strategy != "none" else "one process") if by_fsdp else ("one process or DDP", "fsdp")
+    way = "FT_DISTRIBUTED=fsdp with 2 or more processes" if by_fsdp else "FT_DISTRIBUTED=ddp (or one process)"
+    raise ConfigError(
+        f"the checkpoint to resume, {checkpoint}, was written by {written} and this job runs {now}: its weights and optimizer "
+        f"states are stored in that layout only. Resume with {way}, or use a new FT_OUTPUT_DIR."
+    )
 
 
 def last_committed(checkpoint_dir: str) -> str | None:

@@ -10,7 +10,7 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, report, samples, tracking
+from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, report, samples, sharding, tracking
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for, record_exit
@@ -38,6 +38,7 @@ def run(config: Config) -> None:
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
+    checkpoints.check_sharding(checkpoints.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     checkpoints.check_fingerprint(config)
@@ -63,7 +64,6 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     `net`: an already built model instead of loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
     """
     from transformers import EarlyStoppingCallback, PrinterCallback
-    from trl import SFTTrainer
 
     settings, cuda = config.settings, config.cuda
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
@@ -71,7 +71,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     eval_rows = recipe.eval_rows(settings, prepared.eval)
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
-    trainer = SFTTrainer(
+    trainer = sharding.trainer_class()(  # TRL's SFTTrainer; under FSDP it shards on CPU processes too
         model=net,
         args=args,
         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
@@ -82,6 +82,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         callbacks=[
             checkpoints.CommitCheckpoints(settings.save_total_limit, Volume(settings.output_dir).incomplete),
             *callbacks,
+            *([sharding.ReportShards()] if plan.strategy == "fsdp" else []),
             *_sample_answers(config, tokenizer, prepared, plan),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             tracking.MetricsCallback(),

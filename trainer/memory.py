@@ -274,10 +274,6 @@ def preflight(job: Config) -> Plan:
     capacity = device_capacity(settings, cuda)
     chosen = plan(config, n_params, settings, precision, capacity, settings.activation_checkpointing, job.world_size)
     print(f"fulltune: memory plan: {chosen.describe()}", flush=True)
-    if chosen.strategy == "fsdp" and not cuda:
-        # accelerate 1.15 keeps a CPU process group MULTI_CPU and ignores the FSDP plugin there (AcceleratorState):
-        # the job would silently replicate the model instead of sharding it.
-        raise ConfigError("FT_DISTRIBUTED=fsdp needs GPUs (accelerate shards only on GPUs); use FT_DISTRIBUTED=ddp or auto on CPU")
     problems = []
     if settings.preflight == "off":
         return chosen
