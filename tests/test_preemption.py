@@ -56,6 +56,7 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     assert f"checkpoint at step {stop_step} committed" in log
     assert "exit 75" in termination_message(env)
     assert [r.info.status for r in mlflow_runs(out)] == ["KILLED"]  # metrics flushed, run closed, resumable
+    assert not (out / ".fulltune" / "lease.json").exists()  # released: the restart starts at once (tests/test_lease.py)
 
     # 2. SIGKILL while the step-20 checkpoint is being written (after its files, before its manifest).
     result = run_job(with_faults(env, kill_before_commit_at_step=20))
