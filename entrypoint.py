@@ -7,13 +7,14 @@
 Validation runs here, before torch is imported, so a typo exits 2 within a second.  The training
 process is a child so that this process (PID 1 in a container) can forward SIGTERM/SIGINT to it and
 return its exact exit code; it receives the configuration built here (trainer/config.py), not the
-environment to parse again (see trainer/launch.py and the README's exit codes).
+environment to parse again (see trainer/launch.py and the README's exit codes).  This process also holds
+the volume's lease for the whole job (trainer/lease.py), so that a second job on the same volume exits 7.
 """
 
 import os
 import sys
 
-from trainer import cluster, config, errors, launch, platforms, settings, volume
+from trainer import cluster, config, errors, launch, lease, platforms, settings, volume
 
 
 def main() -> int:
@@ -27,10 +28,12 @@ def main() -> int:
     try:
         validated = settings.load(os.environ)
         volume.check_writable(validated.output_dir)  # in a second, before any model or data is loaded
-        job = config.build(validated)  # imports torch for the device: only once the settings are valid
+        # Exit 7 while another job runs on this volume, before anything is written to it; released however the job ends.
+        with lease.held(validated, stopping=lambda: bool(stops.received), on_lost=stops.end_now):
+            job = config.build(validated)  # imports torch for the device: only once the settings are valid
+            return launch.run_under_accelerate(job, stops)
     except errors.FulltuneError as error:
         return errors.exit_code_for(error)
-    return launch.run_under_accelerate(job, stops)
 
 
 if __name__ == "__main__":

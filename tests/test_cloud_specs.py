@@ -53,7 +53,7 @@ def test_aws_batch_job_definition_validates_and_retries_by_exit_code():
     spec, _ = _validate_aws("batch", "RegisterJobDefinition", DEPLOY / "aws-batch" / "job-definition.json")
     retry = spec["retryStrategy"]
     actions = {rule.get("onExitCode"): rule["action"] for rule in retry["evaluateOnExit"]}
-    assert actions == {"2": "EXIT", "4": "EXIT", "5": "EXIT", "7*": "RETRY", None: "RETRY"}  # 7*: 75 and 76; None: Spot reclaim
+    assert actions == {"2": "EXIT", "4": "EXIT", "5": "EXIT", "7*": "RETRY", None: "RETRY"}  # 7*: 7 (volume leased by another job), 75 and 76; None: Spot reclaim
     assert len(retry["evaluateOnExit"]) <= 5  # the service's limit
     assert retry["attempts"] >= 3  # Batch counts every attempt, resumed ones included
     container = spec["containerProperties"]

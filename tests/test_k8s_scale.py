@@ -342,7 +342,7 @@ def test_indexed_job_retries_each_node_and_keeps_the_exit_code_contract(rendered
     job = one(rendered["indexed-job"], "Job")
     assert _job_action(job, 2) == _job_action(job, 4) == _job_action(job, 5) == "FailJob"  # the whole Job, both nodes, at once
     assert _job_action(job, 75) == _job_action(job, 76) == _job_action(job, 137, {("DisruptionTarget", "True")}) == "Ignore"
-    assert _job_action(job, 1) == _job_action(job, 137) == "Count"
+    assert _job_action(job, 1) == _job_action(job, 137) == _job_action(job, 7) == "Count"  # 7: node 0 found the volume leased by another job
     # Registration failed on node 0 while node 1 finished: node 0 alone could never rendezvous again, so the Job
     # fails at once; applied again, both nodes start and only register.
     assert _job_action(job, 3) == "FailJob"
@@ -405,6 +405,7 @@ def test_trainjob_failure_policy_keeps_the_exit_code_contract_for_all_nodes_at_o
     disrupted = _jobset_action(job, jobset, 137, {("DisruptionTarget", "True")})
     assert stopped == ["RestartJobSetAndIgnoreMaxRestarts"] * 2 and disrupted == "RestartJobSetAndIgnoreMaxRestarts"
     assert _jobset_action(job, jobset, 1) == _jobset_action(job, jobset, 3) == _jobset_action(job, jobset, 137) == "RestartJobSet"
+    assert _jobset_action(job, jobset, 7) == "RestartJobSet"  # another job holds the volume's lease: counted restarts, then fail
     policy = jobset["failurePolicy"]
     assert policy["maxRestarts"] >= 1
     assert policy["restartStrategy"] == "BlockingRecreate"  # no new pod while an old one may still be writing the volume

@@ -60,6 +60,7 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     assert f"stopped by a signal at step {stop_step} (exit 75)" in report
     artifact = mlflow.MlflowClient().download_artifacts(mlflow_runs(out)[0].info.run_id, "report.html", str(tmp_path))
     assert Path(artifact).read_text() == report
+    assert not (out / ".fulltune" / "lease.json").exists()  # released: the restart starts at once (tests/test_lease.py)
 
     # 2. SIGKILL while the step-20 checkpoint is being written (after its files, before its manifest).
     result = run_job(with_faults(env, kill_before_commit_at_step=20))

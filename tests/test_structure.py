@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, job_env, run_job, with_faults
 
 CODE = sorted((ROOT / "trainer").glob("*.py")) + [ROOT / "entrypoint.py"]
-LAYOUT = {"checkpoints", "incomplete", "final", "mlflow", ".fulltune", "data-cache", "data-report.txt", "eval-samples.jsonl", "report.html", "demo", "status.json", "fingerprint.json", "mlflow_run.json"}
+LAYOUT = {"checkpoints", "incomplete", "final", "mlflow", ".fulltune", "data-cache", "data-report.txt", "eval-samples.jsonl", "report.html", "demo", "status.json", "fingerprint.json", "mlflow_run.json", "lease.json", "lease.lock"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -69,7 +69,7 @@ def test_only_the_volume_module_builds_paths_under_the_output_folder():
 
 def test_what_entrypoint_py_imports_before_validating_stays_light():
     """The light modules entrypoint.py imports before validation stay free of torch, transformers and mlflow."""
-    light = ("entrypoint.py", "settings.py", "config.py", "errors.py", "platforms.py", "launch.py", "volume.py")
+    light = ("entrypoint.py", "settings.py", "config.py", "errors.py", "platforms.py", "launch.py", "volume.py", "lease.py")
     heavy = {"torch", "transformers", "mlflow", "trl", "datasets", "accelerate"}
     for path in CODE:
         if path.name in light:

@@ -17,6 +17,7 @@ EXIT_CODES = {
     3: "The model was trained and saved, but registration in MLflow failed (the message says where the model is). A retry skips training and only registers.",
     4: "Out of GPU memory while training. A retry with the same settings cannot help: the message lists what to change.",
     5: "Training diverged: the logged loss was NaN, infinite or above FT_LOSS_LIMIT for FT_DIVERGENCE_PATIENCE logging steps in a row, or a checkpoint's weights were not finite (that checkpoint is set aside in incomplete/, never committed). Nothing is registered and no final model is saved. A retry with the same settings cannot help: the message names the step and the last good checkpoint; lower FT_LEARNING_RATE, then resume it with FT_ALLOW_CONFIG_CHANGE=true or use a new FT_OUTPUT_DIR.",
+    7: "Another job holds this volume's lease: a job started on an FT_OUTPUT_DIR where another job is running (its lease, .fulltune/lease.json, is refreshed every FT_LEASE_SECONDS / 3) exits within about that time, before anything is written, no traceback; the message names the other job's host, pid and start time. Also a running job whose lease another job took over after it went FT_LEASE_SECONDS without refreshing it (a stalled volume or a network partition): it stops at once without saving. A retry helps once the other job has ended (its lease is released) or stopped refreshing for FT_LEASE_SECONDS (it is then taken over); or use another FT_OUTPUT_DIR.",
     75: "Stopped by SIGTERM/SIGINT after committing a checkpoint. A retry resumes from it.",
     76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while the training process was starting. A retry resumes from the previous committed checkpoint.",
 }
@@ -68,6 +69,13 @@ class Diverged(FulltuneError):
     """The loss or the weights stopped being numbers; the same settings would diverge again."""
 
     exit_code = 5
+    show_traceback = False
+
+
+class VolumeInUse(FulltuneError):
+    """Another job holds the lease on FT_OUTPUT_DIR (trainer/lease.py); a retry helps once it ends or stops refreshing it."""
+
+    exit_code = 7
     show_traceback = False
 
 

@@ -33,6 +33,7 @@ class StopForwarder:
         self.child: subprocess.Popen | None = None
         self.group = False  # the child leads a process group (torchrun and its workers)
         self.abandoned = False
+        self.ended = False  # ended by end_now: the volume is no longer this job's to write
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._forward)
 
@@ -47,6 +48,15 @@ class StopForwarder:
             os.killpg(self.child.pid, signal.SIGKILL)
             return
         self.child.send_signal(signum)  # the child saves a checkpoint and exits 75 (see trainer/preemption.py)
+
+    def end_now(self) -> None:
+        """End the training process at once, without a save: another job has taken over the volume (trainer/lease.py)."""
+        self.ended = True
+        if self.child is not None and self.child.poll() is None:
+            if self.group:
+                os.killpg(self.child.pid, signal.SIGKILL)
+            else:
+                self.child.kill()
 
 
 def accelerate_command(use_cpu: bool) -> tuple[list[str], dict[str, str]]:
@@ -109,13 +119,17 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     outcome = tempfile.mkdtemp(prefix="fulltune-exit-")
     env[errors.EXIT_FILE] = os.path.join(outcome, "rank")  # each local rank leaves its exit code there (torchrun reports only 1)
     returncode = 0
-    if not stops.received:
-        stops.child = subprocess.Popen(cmd, env=env, start_new_session=several)  # several: its own group, to end the whole tree
+    if not stops.received and not stops.ended:
         stops.group = several
+        stops.child = subprocess.Popen(cmd, env=env, start_new_session=several)  # several: its own group, to end the whole tree
+        if stops.ended:  # between the check above and here
+            stops.end_now()
         returncode = stops.child.wait()
     if several:
         returncode = _job_exit_code(outcome, returncode)
     shutil.rmtree(outcome, ignore_errors=True)
+    if stops.ended:
+        return returncode  # the caller says why (trainer/lease.py)
     if stops.abandoned:
         return _report(StopAbandoned.exit_code, "second stop signal before the checkpoint was committed; a retry resumes from the last committed checkpoint")
     if stops.received and (stops.child is None or -returncode in stops.received):

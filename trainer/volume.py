@@ -83,7 +83,7 @@ class Volume:
 
     @property
     def state(self) -> str:
-        """Job state: status, fingerprint, MLflow run id, tokenized-data cache."""
+        """Job state: status, fingerprint, MLflow run id, the running job's lease, tokenized-data cache."""
         return self._path(".fulltune")
 
     @property
@@ -97,6 +97,16 @@ class Volume:
     @property
     def run_file(self) -> str:
         return self._path(".fulltune", "mlflow_run.json")
+
+    @property
+    def lease_file(self) -> str:
+        """Which job is writing this volume now (trainer/lease.py); absent when none is."""
+        return self._path(".fulltune", "lease.json")
+
+    @property
+    def lease_lock(self) -> str:
+        """Held for the few milliseconds in which a job takes, refreshes or releases the lease."""
+        return self._path(".fulltune", "lease.lock")
 
     @property
     def data_cache(self) -> str:
