@@ -58,7 +58,8 @@ class TrackingUnreachable(FulltuneError):
 
 
 class RegistrationFailed(FulltuneError):
-    """Training finished and the model is on the volume; only the MLflow registration failed."""
+    """Training finished and the model is on the volume; only the MLflow registration failed, or the tracking server
+    did not answer at the end (what it did not receive is on the volume for the next attempt)."""
 
     exit_code = 3
     show_traceback = True
