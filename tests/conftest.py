@@ -128,3 +128,37 @@ def assert_answers_as_transformers_does(response: dict, model_dir: Path, text: s
     assert response["usage"]["completion_tokens"] == len(reply)
     cut_short = len(reply) == max_tokens and reply[-1] != GenerationConfig.from_pretrained(model_dir).eos_token_id
     assert response["choices"][0]["finish_reason"] == ("length" if cut_short else "stop")
+
+
+class MlflowServer:
+    """A real `mlflow server` on a loopback port, with its store in `folder`: killed and started again on the same
+    port and store, as a tracking server that goes away mid-run and comes back."""
+
+    def __init__(self, folder: Path, port: int | None = None):
+        self.folder, self.port = Path(folder), port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> MlflowServer:
+        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+                   "--backend-store-uri", f"sqlite:///{self.folder}/server.db", "--artifacts-destination", str(self.folder / "server-artifacts")]
+        log = open(self.folder / "server.log", "a")  # noqa: SIM115 - closed with the process
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: kill takes the workers too
+        wait_for(self.answers, timeout=120, what="mlflow server")
+        return self
+
+    def answers(self) -> bool:
+        import urllib.request
+
+        assert self.process.poll() is None, (self.folder / "server.log").read_text()
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        import signal
+
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)

@@ -282,6 +282,7 @@ ELSEWHERE = {
     "FT_REGISTERED_MODEL": "test_local_datasets_train_end_to_end",  # empty = not registered
     "FT_RUN_NAME": "test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configuration",  # empty = <model>_full-fine-tuning
     "FT_SYSTEM_METRICS": "test_demo_model_learns_to_reverse_held_out_word_lists",  # false there, true in test_job.py
+    "FT_REGISTRATION_RETRY_SECONDS": "test_a_server_still_down_at_the_end_exits_3_keeping_the_model_and_the_metrics_and_a_retry_sends_them_and_registers",  # 12; 0 (one try) in test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers
     "FT_PLATFORM": "test_every_platform_in_the_settings_table_can_be_forced",
     "FT_STOP_DEADLINE_SECONDS": "test_a_stop_that_cannot_finish_in_time_exits_76",
     "FT_ALLOW_CONFIG_CHANGE": "test_allow_config_change_resumes_despite_a_changed_setting",

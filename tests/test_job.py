@@ -191,7 +191,7 @@ def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
 @pytest.mark.slow  # the demo job twice, in subprocesses
 def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(tmp_path):
     out = tmp_path / "volume"
-    env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_STEPS="10")
+    env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_STEPS="10", FT_REGISTRATION_RETRY_SECONDS="0")  # 0 = one try
     bad_registry = env | {"MLFLOW_REGISTRY_URI": "http://127.0.0.1:9", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
     result = run_job(bad_registry)
     assert result.returncode == 3, result.stdout + result.stderr

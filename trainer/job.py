@@ -10,7 +10,24 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, report, samples, sharding, tracking
+from trainer import (
+    checkpoints,
+    data,
+    demo,
+    divergence,
+    hub,
+    memory,
+    model,
+    preemption,
+    progress,
+    ranks,
+    recipe,
+    report,
+    samples,
+    sharding,
+    tracking,
+    tracking_server,
+)
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for, record_exit
@@ -27,7 +44,8 @@ def run(config: Config) -> None:
     if done := status.done(registering=bool(settings.registered_model)):
         print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
-    if status.final_model:  # trained and saved by an earlier attempt whose registration failed (exit 3)
+    tracking_server.check_reachable()  # seconds, before anything is downloaded, when MLFLOW_TRACKING_URI names a server that does not answer
+    if status.final_model:  # trained and saved by an earlier attempt whose registration (or tracking) failed (exit 3)
         if ranks.is_main():
             tracking.configure(settings)
             with tracking.job_run(config):
@@ -177,7 +195,7 @@ def _whole_model(trainer: Any, volume: Volume) -> Any:
 
 
 def _register(config: Config, volume: Volume, metadata: dict[str, str]) -> None:
-    if not config.settings.registered_model:
+    if not config.settings.registered_model or volume.status().registered:  # registered by an attempt whose run could not be finished
         return
     version = tracking.register(config.settings, volume.final, metadata)
     volume.mark_registered(version)

@@ -106,6 +106,7 @@ class Settings:
     registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog); empty = do not register.", group="Tracking and registry")
     run_name: str = setting("", "MLflow run name; empty = `<model>_full-fine-tuning`.")
     system_metrics: bool = setting(True, "Log CPU/GPU/memory system metrics to the MLflow run.")
+    registration_retry_seconds: int = setting(600, "How long the end of the job waits for an MLflow server that does not answer: the metrics held back during an outage, the registration (retried after 5 s, doubling to 60 s) and the run's final status. Past it the job exits 3 with the model kept and what was not sent saved on the volume; running the job again sends it and registers, without training. 0 = one try.", minimum=0)
     # -- Operations ----------------------------------------------------------------------------------
     platform: Literal["auto", "none", "sagemaker", "vertex", "aws-batch", "azureml"] = setting("auto", "Batch platform whose variables fill in unset `FT_*` settings; `auto` detects it, `none` ignores them.", group="Operations")
     stop_deadline_seconds: int = setting(270, "After SIGTERM/SIGINT the job finishes the current optimizer step and commits a checkpoint; past this many seconds it gives up (exit 76). Keep it below the platform's grace period (the Kubernetes Job: 300 s; on SageMaker, which allows 120 s, it defaults to 100).", minimum=1)

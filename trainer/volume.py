@@ -109,13 +109,18 @@ class Volume:
         return self._path(".fulltune", "lease.lock")
 
     @property
+    def unsent_tracking(self) -> str:
+        """What the tracking server did not answer for before an attempt ended: the next attempt sends it first."""
+        return self._path(".fulltune", "unsent-tracking.json")
+
+    @property
     def data_cache(self) -> str:
         return self._path(".fulltune", "data-cache")
 
     # -- The job's status: trained and saved, then registered ---------------------------------------
 
     def status(self) -> Status:
-        return Status(**read_json(self.status_file, {}))
+        return Status(**read_json(self.status_file, {}), unsent_tracking=os.path.exists(self.unsent_tracking))
 
     def mark_saved(self, metadata: dict[str, str]) -> None:
         """The final model is complete on the volume: a restart skips training (exit 3 retries register only)."""
@@ -128,11 +133,14 @@ class Volume:
 class Status:
     """What earlier attempts of this job finished: nothing, the final model, or the registration too."""
 
-    def __init__(self, final_model: str | None = None, metadata: dict[str, str] | None = None, registered: str | None = None):
+    def __init__(self, final_model: str | None = None, metadata: dict[str, str] | None = None, registered: str | None = None, unsent_tracking: bool = False):
         self.final_model, self.metadata, self.registered = final_model, metadata or {}, registered
+        self.unsent_tracking = unsent_tracking  # metrics the tracking server never got: the job is not done until it has them
 
     def done(self, registering: bool) -> str | None:
         """What the finished job left (a registered version or the model folder), or None if work remains."""
+        if self.unsent_tracking:
+            return None
         if self.registered:
             return self.registered
         return self.final_model if self.final_model and not registering else None
