@@ -103,7 +103,8 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/preemption.py)."""
     volume = Volume(config.settings.output_dir)
-    resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete))  # rank 0 sets cut-short saves aside
+    # Rank 0 sets cut-short and damaged saves aside (reading the newest back against its checksums); the others then take the newest left.
+    resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
     if stopper.requested:
         raise Preempted("stopped before training started; the committed checkpoints are unchanged")
     trainer = build_trainer(config, tokenizer, prepared, plan, callbacks=(stopper,))
