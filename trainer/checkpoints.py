@@ -153,6 +153,25 @@ def last_committed(checkpoint_dir: str) -> str | None:
     return found[-1][1] if found else None
 
 
+def committed_bytes(folder: str | None) -> int:
+    """Bytes of a committed checkpoint, from its manifest (0: none)."""
+    manifest = _manifest(folder) if folder else None
+    return sum(manifest["files"].values()) if manifest else 0
+
+
+def set_aside_uncommitted(checkpoint_dir: str, quarantine_dir: str, why: str) -> list[tuple[int, str]]:
+    """Move every checkpoint folder without a manifest (a save that just failed) aside; (step, where it is now) of each.
+    One that cannot be moved (no room even for the folder `quarantine_dir`) stays: the next start sets it aside."""
+    moved = []
+    for step, path in _checkpoints(checkpoint_dir):
+        if _manifest(path) is None:
+            try:
+                moved.append((step, set_aside(path, quarantine_dir, why)))
+            except OSError:
+                moved.append((step, path))
+    return moved
+
+
 def set_aside(path: str, quarantine_dir: str, why: str = "") -> str:
     """Move a checkpoint that must never be resumed out of the checkpoints folder (kept, never deleted)."""
     os.makedirs(quarantine_dir, exist_ok=True)

@@ -10,7 +10,7 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import checkpoints, data, demo, divergence, hub, memory, model, preemption, progress, ranks, recipe, samples, tracking
+from trainer import checkpoints, data, demo, diskfull, divergence, hub, memory, model, preemption, progress, ranks, recipe, samples, tracking
 from trainer import config as job_config
 from trainer.config import Config
 from trainer.errors import Preempted, exit_code_for, record_exit
@@ -48,7 +48,6 @@ def run(config: Config) -> None:
         trainer = train(config, tokenizer, prepared, plan, stopper)
         metadata = save_final(config, trainer, tokenizer, volume)
         if ranks.is_main():
-            volume.mark_saved(metadata)
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
             _register(config, volume, metadata)
 
@@ -109,12 +108,31 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
         raise Preempted("stopped before training started; the committed checkpoints are unchanged")
     trainer = build_trainer(config, tokenizer, prepared, plan, callbacks=(stopper,))
     print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
-    trainer.train(resume_from_checkpoint=resume)
+    with diskfull.reported(volume.root, lambda: _full_during_training(config, trainer, volume)):
+        trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
         raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
     if trainer.state.global_step < trainer.state.max_steps:
         _stopped_early(config, trainer)
     return trainer
+
+
+def _full_during_training(config: Config, trainer: Any, volume: Volume) -> tuple[str, int, str]:
+    """Exit 6 while training: set the checkpoint cut short aside; it needs about as much as the last committed one."""
+    moved = checkpoints.set_aside_uncommitted(volume.checkpoints, volume.incomplete, "volume-full") if ranks.is_main() else []
+    last = checkpoints.last_committed(volume.checkpoints)
+    needed = checkpoints.committed_bytes(last) or config.precision.checkpoint_bytes * trainer.model.num_parameters()
+    saving = f"the checkpoint at step {moved[-1][0]}" if moved else f"the next checkpoint (step {trainer.state.global_step})"
+    kept = f"every committed checkpoint, the newest {last}" if last else "nothing yet (no checkpoint was committed: a retry starts from step 0)"
+    partial = "".join(f"; the partial checkpoint-{step} is set aside in {where}" for step, where in moved)
+    return saving, needed, kept + partial
+
+
+def _full_elsewhere(volume: Volume) -> tuple[str, int, str]:
+    """Exit 6 from any other write (the data cache, the job's state, the embedded MLflow store)."""
+    last = checkpoints.last_committed(volume.checkpoints)
+    kept = f"every committed checkpoint, the newest {last}" if last else "every file already written (no checkpoint was committed yet)"
+    return "a checkpoint of this job", checkpoints.committed_bytes(last), kept
 
 
 def _stopped_early(config: Config, trainer: Any) -> None:
@@ -145,11 +163,19 @@ def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume) -> 
         "model_size_parameters": model.describe_size(n_params),
         "parameter_count": str(n_params),
     }
-    with staged(volume.final) as partial:
-        tracking.save_model(net, tokenizer, partial, metadata)
-        follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
+    with diskfull.reported(volume.root, lambda: _full_during_final_save(config, n_params, volume)):
+        with staged(volume.final) as partial:
+            tracking.save_model(net, tokenizer, partial, metadata)
+            follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
+        volume.mark_saved(metadata)
     shutil.rmtree(volume.gathered, ignore_errors=True)
     return metadata
+
+
+def _full_during_final_save(config: Config, n_params: int, volume: Volume) -> tuple[str, int, str]:
+    last = checkpoints.last_committed(volume.checkpoints)
+    kept = f"every committed checkpoint, the newest {last} (a retry resumes there and saves the final model again)" if last else "no committed checkpoint"
+    return "the final model", config.precision.serving_bytes * n_params, f"{kept}; the partial final model {volume.final}.partial is removed by the retry"
 
 
 def _whole_model(trainer: Any, volume: Volume) -> Any:
@@ -197,7 +223,9 @@ def main() -> int:
     if not ranks.is_main():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one progress log per job: rank 0's (errors still reach stderr)
     try:
-        run(job_config.handed_over())
+        config = job_config.handed_over()
+        with diskfull.reported(config.settings.output_dir, lambda: _full_elsewhere(Volume(config.settings.output_dir))):
+            run(config)
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code
         if isinstance(error, SystemExit):
             raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,16 +117,25 @@ def job_run(config: Config) -> Iterator[Any]:
     _open_runs.append(run.info.run_id)
     try:
         yield run
-    except Preempted:
-        mlflow.end_run("KILLED")  # flushes the queued metrics before the process exits 75
-        raise
-    except BaseException:
-        mlflow.end_run("FAILED")
+    except BaseException as error:
+        _end_run_after(error, "KILLED" if isinstance(error, Preempted) else "FAILED")  # KILLED: flushes the queued metrics before exit 75
         raise
     else:
         mlflow.end_run("FINISHED")
     finally:
         _open_runs.pop()
+
+
+def _end_run_after(error: BaseException, status: str) -> None:
+    """Close the run as `status` while the job ends with `error`; a run that cannot be closed (the embedded store on a
+    full volume) is said in one line, and the job's own error stays the one reported."""
+    import mlflow
+
+    try:
+        with _without_warnings("mlflow.store.db.utils", "SQLAlchemy database error"):  # it logs the whole chain, the job's error included, as a traceback
+            mlflow.end_run(status)
+    except Exception as closing:  # noqa: BLE001 - any failure here would hide the job's own error
+        print(f"fulltune: the MLflow run could not be marked {status} ({type(closing).__name__}: {' '.join(str(closing).split())[:300]})", file=sys.stderr, flush=True)
 
 
 def _start_run(config: Config) -> Any:
