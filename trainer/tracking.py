@@ -118,7 +118,7 @@ def job_run(config: Config) -> Iterator[Any]:
     try:
         yield run
     except BaseException as error:
-        _end_run_after(error, "KILLED" if isinstance(error, Preempted) else "FAILED")  # KILLED: flushes the queued metrics before exit 75
+        _end_run_after_error("KILLED" if isinstance(error, Preempted) else "FAILED")  # KILLED: flushes the queued metrics before exit 75
         raise
     else:
         mlflow.end_run("FINISHED")
@@ -126,8 +126,8 @@ def job_run(config: Config) -> Iterator[Any]:
         _open_runs.pop()
 
 
-def _end_run_after(error: BaseException, status: str) -> None:
-    """Close the run as `status` while the job ends with `error`; a run that cannot be closed (the embedded store on a
+def _end_run_after_error(status: str) -> None:
+    """Close the run as `status` while the job ends with an error; a run that cannot be closed (the embedded store on a
     full volume) is said in one line, and the job's own error stays the one reported."""
     import mlflow
 
