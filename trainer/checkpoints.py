@@ -36,7 +36,7 @@ MANIFEST = "commit.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-CHECKSUM = "xxh3_128"  # 6 GB/s on one core from the page cache (bench/checksum.py); it finds damage, not tampering (not cryptographic)
+CHECKSUM = "xxh3_128"  # 5.6-6 GB/s on one core from the page cache (bench/checksum.py); it finds damage, not tampering (not cryptographic)
 CHUNK = 16 << 20
 
 
