@@ -49,11 +49,31 @@ def _assert_known_settings(env):
     settings.load({**env, "FT_PLATFORM": "none"})  # raises ConfigError on a bad value
 
 
+def _batch_action(retry: dict, exit_code: int | None, status_reason: str = "") -> str:
+    """What AWS Batch does after an attempt: the first rule whose every condition matches (a trailing `*` matches any
+    rest), RETRY when none does (the service's documented default)."""
+
+    def matches(pattern: str | None, value: str | None) -> bool:
+        if pattern is None:
+            return True
+        if value is None:
+            return False
+        return value.startswith(pattern[:-1]) if pattern.endswith("*") else value == pattern
+
+    for rule in retry["evaluateOnExit"]:
+        if matches(rule.get("onExitCode"), None if exit_code is None else str(exit_code)) and matches(rule.get("onStatusReason"), status_reason) and matches(rule.get("onReason"), ""):
+            return rule["action"]
+    return "RETRY"
+
+
 def test_aws_batch_job_definition_validates_and_retries_by_exit_code():
     spec, _ = _validate_aws("batch", "RegisterJobDefinition", DEPLOY / "aws-batch" / "job-definition.json")
     retry = spec["retryStrategy"]
-    actions = {rule.get("onExitCode"): rule["action"] for rule in retry["evaluateOnExit"]}
-    assert actions == {"2": "EXIT", "4": "EXIT", "5": "EXIT", "7*": "RETRY", None: "RETRY"}  # 7*: 7 (volume leased by another job), 75 and 76; None: Spot reclaim
+    for code in (2, 4, 5, 6):  # bad configuration, out of GPU memory, diverged, volume full: a retry cannot help
+        assert _batch_action(retry, code) == "EXIT", code
+    for code in (1, 3, 7, 75, 76, 137, 143):  # unexpected, registration only, volume leased by another job, stopped, killed (OOMKilled, SIGTERM)
+        assert _batch_action(retry, code) == "RETRY", code
+    assert _batch_action(retry, None, "Host EC2 (instance i-0abc) terminated.") == "RETRY"  # Spot reclaim
     assert len(retry["evaluateOnExit"]) <= 5  # the service's limit
     assert retry["attempts"] >= 3  # Batch counts every attempt, resumed ones included
     container = spec["containerProperties"]

@@ -107,6 +107,7 @@ def test_pod_failure_policy_fails_at_once_on_bad_config_and_does_not_count_preem
         assert _policy_action(job, 2) == "FailJob"  # bad config or data: a retry cannot help
         assert _policy_action(job, 4) == "FailJob"  # out of GPU memory with these settings
         assert _policy_action(job, 5) == "FailJob"  # diverged: the same settings diverge again
+        assert _policy_action(job, 6) == "FailJob"  # volume full: it will not empty itself
         assert _policy_action(job, 75) == "Ignore"  # checkpoint committed after SIGTERM: resume, uncounted
         assert _policy_action(job, 76) == "Ignore"  # save cut short: resume from the previous checkpoint
         assert _policy_action(job, 137, {("DisruptionTarget", "True")}) == "Ignore"  # drained or preempted node

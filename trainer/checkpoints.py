@@ -1,8 +1,12 @@
 """What a committed checkpoint is, which one to resume from, and which ones to keep.
 
 A checkpoint folder counts only once `commit.json` exists in it, parses, and lists every file with
-its size.  The manifest is written last, after every other file is flushed to disk; a folder without
-a valid manifest is a save that was cut short (transformers #35782 resumes from those).  A save whose
+its size and its xxh3-128 checksum.  The manifest is written last, after every other file is flushed to
+disk; a folder without a valid manifest is a save that was cut short (transformers #35782 resumes from
+those).  Before resuming, the newest committed checkpoint is read back against its checksums: bytes that
+changed on the volume since the commit (a bad disk, a copy cut short, a hand edit) set it aside and the
+previous committed one is used, never the damaged one.  Manifests written before checksums were recorded
+are checked by size only.  A save whose
 weights hold a NaN or an infinity is never committed: it is set aside and the job stops (exit 5), so
 every committed checkpoint is one a retry can resume from.  We chose a
 manifest over renaming a staging folder because rename is not atomic on object-store mounts (gcsfuse,
@@ -20,6 +24,7 @@ import re
 import shutil
 import time
 
+import xxhash
 from transformers import TrainerCallback
 
 from trainer import ranks
@@ -32,32 +37,75 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # accelerate's FSDP_MODEL_NAME, FULL_STATE_DICT
 
 
-def _fsync_tree(folder: str) -> dict[str, int]:
-    sizes = {}
+CHECKSUM = "xxh3_128"  # 5.6-6 GB/s on one core from the page cache (bench/checksum.py); it finds damage, not tampering (not cryptographic)
+CHUNK = 16 << 20
+
+
+def _checksum(path: str) -> str:
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_tree(folder: str) -> tuple[dict[str, int], dict[str, str]]:
+    """Flush every file to disk and checksum it (read back from the page cache: it was just written)."""
+    sizes, checksums = {}, {}
     for root, _dirs, files in os.walk(folder):
         for name in files:
             path = os.path.join(root, name)
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-            sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
-    return sizes
+            relative = os.path.relpath(path, folder)
+            sizes[relative], checksums[relative] = os.path.getsize(path), _checksum(path)
+    return sizes, checksums
 
 
 def commit(folder: str, step: int) -> None:
-    """Flush every file of the checkpoint, then write the manifest that makes it count."""
+    """Flush and checksum every file of the checkpoint, then write the manifest that makes it count."""
     follow_umask(folder)  # readable by other uids, like every other file on the volume
-    sizes = _fsync_tree(folder)
+    sizes, checksums = _fsync_tree(folder)
     sizes.pop(MANIFEST, None)
-    write_json(os.path.join(folder, MANIFEST), {"step": step, "files": sizes, "committed_at": time.time()})
+    checksums.pop(MANIFEST, None)
+    write_json(os.path.join(folder, MANIFEST), {"step": step, "files": sizes, CHECKSUM: checksums, "committed_at": time.time()})
 
 
-def is_committed(folder: str) -> bool:
+def _manifest(folder: str) -> dict | None:
     try:
         with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
-        return all(os.path.getsize(os.path.join(folder, name)) == size for name, size in manifest["files"].items())
-    except (OSError, ValueError, KeyError, TypeError):
+        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def is_committed(folder: str) -> bool:
+    """The manifest exists and every file it lists has its size (cheap: checksums are read only before resuming)."""
+    manifest = _manifest(folder)
+    try:
+        return manifest is not None and all(os.path.getsize(os.path.join(folder, name)) == size for name, size in manifest["files"].items())
+    except (OSError, TypeError):
         return False
+
+
+def damage(folder: str, read: bool = True) -> str | None:
+    """What differs from the manifest, naming the file (None: intact).  `read`: every byte of every file is read back
+    against its checksum (manifests written before checksums were recorded: sizes only)."""
+    manifest = _manifest(folder)
+    if manifest is None:
+        return f"{MANIFEST} is missing or unreadable"
+    checksums = (manifest.get(CHECKSUM) or {}) if read else {}
+    for name, size in manifest["files"].items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        actual = os.path.getsize(path)
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} at commit ({'truncated' if actual < size else 'grown'})"
+        if name in checksums and _checksum(path) != checksums[name]:
+            return f"{name} does not match its {CHECKSUM} checksum recorded at commit (its bytes changed)"
+    return None
 
 
 def _checkpoints(checkpoint_dir: str) -> list[tuple[int, str]]:
@@ -71,13 +119,34 @@ def committed(checkpoint_dir: str) -> list[tuple[int, str]]:
     return [(step, path) for step, path in _checkpoints(checkpoint_dir) if is_committed(path)]
 
 
-def latest_for_resume(checkpoint_dir: str, quarantine_dir: str) -> str | None:
-    """The newest committed checkpoint; incomplete ones are moved to `quarantine_dir` and reported."""
+def latest_for_resume(checkpoint_dir: str, quarantine_dir: str, verify: bool = True) -> str | None:
+    """The newest committed checkpoint whose files match their checksums; the others are moved to `quarantine_dir`.
+
+    Saves cut short (no manifest) are set aside and reported.  With `verify` (rank 0: the others resume from what it
+    left), the newest committed checkpoint is read back; a damaged one is set aside with a warning naming the file,
+    and the one before it is checked the same way.  None: nothing intact to resume from (training starts at step 0).
+    """
     for step, path in _checkpoints(checkpoint_dir):
-        if not is_committed(path):
+        if _manifest(path) is None:
             target = set_aside(path, quarantine_dir)
             print(f"fulltune: checkpoint at step {step} was never committed (save cut short): moved to {target}", flush=True)
-    return last_committed(checkpoint_dir)
+        elif problem := damage(path, read=False):
+            _set_aside_damaged(step, path, problem, quarantine_dir)
+    if not verify:
+        return last_committed(checkpoint_dir)
+    for step, path in reversed(_checkpoints(checkpoint_dir)):
+        problem = damage(path)
+        if problem is None:
+            if CHECKSUM not in (_manifest(path) or {}):
+                print(f"fulltune: checkpoint at step {step} was committed without checksums (an older fulltune): only its file sizes were checked", flush=True)
+            return path
+        _set_aside_damaged(step, path, problem, quarantine_dir)
+    return None
+
+
+def _set_aside_damaged(step: int, path: str, problem: str, quarantine_dir: str) -> None:
+    target = set_aside(path, quarantine_dir, "damaged")
+    print(f"fulltune: warning: checkpoint at step {step} is damaged, not resumed: {problem}; moved to {target}", flush=True)
 
 
 def check_sharding(checkpoint: str | None, strategy: str) -> None:
@@ -103,6 +172,25 @@ def check_sharding(checkpoint: str | None, strategy: str) -> None:
 def last_committed(checkpoint_dir: str) -> str | None:
     found = committed(checkpoint_dir)
     return found[-1][1] if found else None
+
+
+def committed_bytes(folder: str | None) -> int:
+    """Bytes of a committed checkpoint, from its manifest (0: none)."""
+    manifest = _manifest(folder) if folder else None
+    return sum(manifest["files"].values()) if manifest else 0
+
+
+def set_aside_uncommitted(checkpoint_dir: str, quarantine_dir: str, why: str) -> list[tuple[int, str]]:
+    """Move every checkpoint folder without a manifest (a save that just failed) aside; (step, where it is now) of each.
+    One that cannot be moved (no room even for the folder `quarantine_dir`) stays: the next start sets it aside."""
+    moved = []
+    for step, path in _checkpoints(checkpoint_dir):
+        if _manifest(path) is None:
+            try:
+                moved.append((step, set_aside(path, quarantine_dir, why)))
+            except OSError:
+                moved.append((step, path))
+    return moved
 
 
 def set_aside(path: str, quarantine_dir: str, why: str = "") -> str:

@@ -17,6 +17,7 @@ EXIT_CODES = {
     3: "The model was trained and saved, but registration in MLflow failed, or the MLflow server did not answer at the end within FT_REGISTRATION_RETRY_SECONDS (the message says where the model is; metrics not sent are kept on the volume). A retry skips training: it sends what was kept, registers and finishes the run.",
     4: "Out of GPU memory while training. A retry with the same settings cannot help: the message lists what to change.",
     5: "Training diverged: the logged loss was NaN, infinite or above FT_LOSS_LIMIT for FT_DIVERGENCE_PATIENCE logging steps in a row, or a checkpoint's weights were not finite (that checkpoint is set aside in incomplete/, never committed). Nothing is registered and no final model is saved. A retry with the same settings cannot help: the message names the step and the last good checkpoint; lower FT_LEARNING_RATE, then resume it with FT_ALLOW_CONFIG_CHANGE=true or use a new FT_OUTPUT_DIR.",
+    6: "Volume full: a checkpoint, the final model or another file could not be written to FT_OUTPUT_DIR (no space left, or over quota), no traceback. The message names the volume, its free bytes and about how many the save needed. Every committed checkpoint is kept; a checkpoint cut short is set aside in incomplete/. A retry with the same volume fails again: free space on it (or mount a bigger one), then retry: it resumes from the last committed checkpoint.",
     7: "Another job holds this volume's lease: a job started on an FT_OUTPUT_DIR where another job is running (its lease, .fulltune/lease.json, is refreshed every FT_LEASE_SECONDS / 3) exits within about that time, before anything is written, no traceback; the message names the other job's host, pid and start time. Also a running job whose lease another job took over after it went FT_LEASE_SECONDS without refreshing it (a stalled volume or a network partition): it stops at once without saving. A retry helps once the other job has ended (its lease is released) or stopped refreshing for FT_LEASE_SECONDS (it is then taken over); or use another FT_OUTPUT_DIR.",
     75: "Stopped by SIGTERM/SIGINT after committing a checkpoint. A retry resumes from it.",
     76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while the training process was starting. A retry resumes from the previous committed checkpoint.",
@@ -77,6 +78,13 @@ class Diverged(FulltuneError):
     """The loss or the weights stopped being numbers; the same settings would diverge again."""
 
     exit_code = 5
+    show_traceback = False
+
+
+class VolumeFull(FulltuneError):
+    """The output volume has no room left for a save; it will not make room by itself, so a retry must wait for a person."""
+
+    exit_code = 6
     show_traceback = False
 
 

@@ -14,6 +14,7 @@ from trainer import (
     checkpoints,
     data,
     demo,
+    diskfull,
     divergence,
     hub,
     memory,
@@ -68,7 +69,6 @@ def run(config: Config) -> None:
         trainer = train(config, tokenizer, prepared, plan, stopper, run_report)
         metadata = save_final(config, trainer, tokenizer, volume)
         if ranks.is_main():
-            volume.mark_saved(metadata)
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
             try:
                 _register(config, volume, metadata)
@@ -126,19 +126,39 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/preemption.py) once the run report says so."""
     volume = Volume(config.settings.output_dir)
-    resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete))  # rank 0 sets cut-short saves aside
+    # Rank 0 sets cut-short and damaged saves aside (reading the newest back against its checksums); the others then take the newest left.
+    resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
     if stopper.requested:
         raise Preempted("stopped before training started; the committed checkpoints are unchanged")
     trainer = build_trainer(config, tokenizer, prepared, plan, callbacks=(stopper,))
     trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
     print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
-    trainer.train(resume_from_checkpoint=resume)
+    with diskfull.reported(volume.root, lambda: _full_during_training(config, trainer, volume)):
+        trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
         run_report.stopped(trainer.state.global_step)
         raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
     if trainer.state.global_step < trainer.state.max_steps:
         _stopped_early(config, trainer)
     return trainer
+
+
+def _full_during_training(config: Config, trainer: Any, volume: Volume) -> tuple[str, int, str]:
+    """Exit 6 while training: set the checkpoint cut short aside; it needs about as much as the last committed one."""
+    moved = checkpoints.set_aside_uncommitted(volume.checkpoints, volume.incomplete, "volume-full") if ranks.is_main() else []
+    last = checkpoints.last_committed(volume.checkpoints)
+    needed = checkpoints.committed_bytes(last) or config.precision.checkpoint_bytes * trainer.model.num_parameters()
+    saving = f"the checkpoint at step {moved[-1][0]}" if moved else f"the next checkpoint (step {trainer.state.global_step})"
+    kept = f"every committed checkpoint, the newest {last}" if last else "nothing yet (no checkpoint was committed: a retry starts from step 0)"
+    partial = "".join(f"; the partial checkpoint-{step} is set aside in {where}" for step, where in moved)
+    return saving, needed, kept + partial
+
+
+def _full_elsewhere(volume: Volume) -> tuple[str, int, str]:
+    """Exit 6 from any other write (the data cache, the job's state, the embedded MLflow store)."""
+    last = checkpoints.last_committed(volume.checkpoints)
+    kept = f"every committed checkpoint, the newest {last}" if last else "every file already written (no checkpoint was committed yet)"
+    return "a checkpoint of this job", checkpoints.committed_bytes(last), kept
 
 
 def _stopped_early(config: Config, trainer: Any) -> None:
@@ -169,9 +189,11 @@ def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume) -> 
         "model_size_parameters": model.describe_size(n_params),
         "parameter_count": str(n_params),
     }
-    with staged(volume.final) as partial:
-        tracking.save_model(net, tokenizer, partial, metadata, served_name=_served_name(settings.registered_model, metadata["pretrained_model_name"]))
-        follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
+    with diskfull.reported(volume.root, lambda: _full_during_final_save(config, n_params, volume)):
+        with staged(volume.final) as partial:
+            tracking.save_model(net, tokenizer, partial, metadata, served_name=_served_name(settings.registered_model, metadata["pretrained_model_name"]))
+            follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
+        volume.mark_saved(metadata)
     shutil.rmtree(volume.gathered, ignore_errors=True)
     return metadata
 
@@ -180,6 +202,12 @@ def _served_name(registered: str, base: str) -> str:
     """The name the served model answers with: the registered name, else the base model's hub id (a local base
     model's folder name: a path says nothing to a chat client)."""
     return registered or (os.path.basename(os.path.normpath(base)) if os.path.isdir(base) else base)
+
+
+def _full_during_final_save(config: Config, n_params: int, volume: Volume) -> tuple[str, int, str]:
+    last = checkpoints.last_committed(volume.checkpoints)
+    kept = f"every committed checkpoint, the newest {last} (a retry resumes there and saves the final model again)" if last else "no committed checkpoint"
+    return "the final model", config.precision.serving_bytes * n_params, f"{kept}; the partial final model {volume.final}.partial is removed by the retry"
 
 
 def _whole_model(trainer: Any, volume: Volume) -> Any:
@@ -227,7 +255,9 @@ def main() -> int:
     if not ranks.is_main():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one progress log per job: rank 0's (errors still reach stderr)
     try:
-        run(job_config.handed_over())
+        config = job_config.handed_over()
+        with diskfull.reported(config.settings.output_dir, lambda: _full_elsewhere(Volume(config.settings.output_dir))):
+            run(config)
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code
         if isinstance(error, SystemExit):
             raise

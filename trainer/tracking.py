@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -166,12 +167,15 @@ def _finish(config: Config, status: str) -> None:
     end_by = _end_deadline(config.settings) if status == "FINISHED" else time.monotonic() + STOPPING_SECONDS
     sent = _outbox.drain(end_by)
     unsent, _outbox = _outbox.close(), None
-    if unsent:
-        write_json(volume.unsent_tracking, unsent)
-    elif os.path.exists(volume.unsent_tracking):
-        os.remove(volume.unsent_tracking)
+    try:
+        if unsent:
+            write_json(volume.unsent_tracking, unsent)
+        elif os.path.exists(volume.unsent_tracking):
+            os.remove(volume.unsent_tracking)
+    except OSError as error:  # a full volume: the job's own error (exit 6) is the one to report
+        print(f"fulltune: {sum(map(_size, unsent))} values not sent to the tracking server could not be kept on the volume ({error.strerror})", file=sys.stderr, flush=True)
     answering = sent and servers_answer()
-    with contextlib.nullcontext() if answering else _one_quick_try():
+    with contextlib.nullcontext() if answering else _one_quick_try(), _without_warnings("mlflow.store.db.utils", "SQLAlchemy database error"):
         try:
             mlflow.end_run(status)  # an unanswered call still leaves no active run behind (MLflow's exit hook would retry it for minutes)
         except Exception as error:  # noqa: BLE001 - the job's own outcome matters more than the run's status
@@ -186,6 +190,22 @@ def _finish(config: Config, status: str) -> None:
         )
         failed.show_traceback = False
         raise failed
+
+
+@contextlib.contextmanager
+def _without_warnings(logger: str, *prefixes: str) -> Iterator[None]:
+    """Drop the named logger's messages that start with one of `prefixes` (expected, and misleading, here)."""
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(prefixes)
+
+    drop, target = Drop(), logging.getLogger(logger)
+    target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
 
 
 @contextlib.contextmanager

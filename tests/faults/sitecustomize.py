@@ -7,6 +7,9 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        PID 1), which forwards it: a stop that lands at a known step
   FAULT_KILL_BEFORE_COMMIT_AT_STEP=20  SIGKILL the training process after checkpoint 20's files are written,
                                        before its manifest is (provably inside the save)
+  FAULT_FILL_VOLUME=<file>:<bytes>       fill the volume holding <file> with <file>, leaving <bytes> free (not the job's file:
+                                       deleting it is making room), at the moment FAULT_FILL_VOLUME_AT says:
+  FAULT_FILL_VOLUME_AT=4               after checkpoint 4 is committed; `final`: just before the final model is saved
   FAULT_HOLD_START=<file>              the training process writes <file> and sleeps before anything else
                                        (a stop that lands while it starts)
   FAULT_COUNT_PARSES=<file>            append a line to <file> each time the FT_* settings are parsed
@@ -49,6 +52,40 @@ def _kill_before_commit(module):
     module.write_json = write_json
 
 
+def _fill_volume():
+    """Write <file> until the volume has only <bytes> left (tmpfs and ext4 count whole 4 KiB pages)."""
+    import shutil
+
+    path, _, leave = os.environ["FAULT_FILL_VOLUME"].rpartition(":")
+    free = shutil.disk_usage(os.path.dirname(path)).free
+    with open(path, "ab") as f:
+        f.write(b"\0" * max(0, free - int(leave)))
+    print(f"fault: {path} filled the volume: {shutil.disk_usage(os.path.dirname(path)).free} bytes left", flush=True)
+
+
+def _fill_after_commit(module):
+    step = int(os.environ["FAULT_FILL_VOLUME_AT"])
+    original = module.CommitCheckpoints.on_save
+
+    def on_save(self, args, state, control, **kwargs):
+        result = original(self, args, state, control, **kwargs)
+        if state.global_step == step:
+            _fill_volume()
+        return result
+
+    module.CommitCheckpoints.on_save = on_save
+
+
+def _fill_before_final_save(module):
+    original = module.save_final
+
+    def save_final(*args, **kwargs):
+        _fill_volume()
+        return original(*args, **kwargs)
+
+    module.save_final = save_final
+
+
 def _count_parses(module):
     original = module.load
 
@@ -65,6 +102,9 @@ PATCHES = {  # module -> (variables, patch)
     "trainer.checkpoints": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.settings": (("FAULT_COUNT_PARSES",), _count_parses),
 }
+if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
+    when = os.environ.get("FAULT_FILL_VOLUME_AT", "")
+    PATCHES["trainer.job" if when == "final" else "trainer.checkpoints"] = (("FAULT_FILL_VOLUME",), _fill_before_final_save if when == "final" else _fill_after_commit)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
