@@ -162,3 +162,31 @@ class MlflowServer:
 
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=30)
+
+
+# -- The inventory of bad inputs and faults the suite exercises ---------------------------------------
+# A test that feeds the job one bad input or one fault carries `@pytest.mark.faults` (a parametrized one: one
+# per parameter set, named by its id) or `@pytest.mark.faults("what", "else", ...)` when one test exercises
+# several.  `pytest --collect-only -q --faults` lists them; the README states how many (tests/test_faults_inventory.py).
+
+
+def pytest_addoption(parser):
+    parser.addoption("--faults", action="store_true", help="print the bad inputs and faults the collected tests exercise, one per line")
+
+
+def faults_of(item) -> list[str]:
+    """The bad inputs and faults one collected test exercises (none when it is not marked)."""
+    marker = item.get_closest_marker("faults")
+    if marker is None:
+        return []
+    if marker.args:
+        return list(marker.args)
+    callspec = getattr(item, "callspec", None)
+    return [f"{item.originalname}[{callspec.id}]" if callspec else item.name]
+
+
+def pytest_collection_finish(session):
+    if session.config.getoption("--faults"):
+        for item in session.items:
+            for fault in faults_of(item):
+                print(f"fault\t{item.nodeid}\t{fault}")

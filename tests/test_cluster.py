@@ -37,6 +37,7 @@ def test_explicit_ft_variables_win_over_the_cluster_and_the_log_says_so():
     assert settings.load(TRAINJOB | {"FT_NODE_RANK": "0", "FT_PLATFORM": "none"}).node_rank == 0
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("env", "message"),
     [

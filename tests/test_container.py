@@ -157,6 +157,7 @@ def max_weight_difference(a: Path, b: Path) -> float:
     return max((left[k].float() - right[k].float()).abs().max().item() for k in left)
 
 
+@pytest.mark.faults("SIGTERM to the container mid-run")
 def test_stop_exits_75_with_a_committed_checkpoint_and_train_resumes_to_the_uninterrupted_weights(reference, shared, say):
     # As the README's `docker run` line: --user of the folder's owner, a uid the image does not know.
     out = containers.volume(shared / "stopped", (HOST_UID, HOST_UID))
@@ -196,6 +197,7 @@ def entrypoint_handles_sigterm(job: Container) -> bool:
     return job.exec("python", "-c", probe).stdout.strip() == "handled"
 
 
+@pytest.mark.faults("SIGTERM to the container while the job starts")
 def test_a_stop_while_the_job_starts_exits_76_and_leaves_the_volume_without_checkpoints(shared):
     out = image_volume(shared / "starting")
     job = Container(out, DEMO, shared / "starting.log")
@@ -206,6 +208,7 @@ def test_a_stop_while_the_job_starts_exits_76_and_leaves_the_volume_without_chec
     assert committed_steps(out) == []
 
 
+@pytest.mark.faults("a second signal to the container before the checkpoint is committed")
 def test_a_second_signal_before_the_checkpoint_is_committed_exits_76_at_once(shared):
     out = image_volume(shared / "second-signal")
     slow_steps = {"FT_GRADIENT_ACCUMULATION_STEPS": "256", "FT_MAX_STEPS": "10"}  # an optimizer step of several seconds
@@ -224,6 +227,7 @@ def test_a_second_signal_before_the_checkpoint_is_committed_exits_76_at_once(sha
 # -- The volume ------------------------------------------------------------------------------------
 
 
+@pytest.mark.faults("a volume the image's user cannot write")
 def test_an_output_folder_the_images_user_cannot_write_exits_2_in_seconds_naming_the_fix(shared):
     out = shared / "root-owned"  # as a folder that `docker run -v` creates, or one made by the host user
     out.mkdir()

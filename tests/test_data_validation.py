@@ -68,6 +68,7 @@ def sharegpt_good():
     return [{"conversations": [{"from": "human", "value": "Reverse: apple river"}, {"from": "gpt", "value": "river apple"}]}]
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(("name", "lines", "expected"), MALFORMED, ids=[m[0] for m in MALFORMED])
 def test_malformed_row_exits_2_naming_the_row_and_the_reason(tmp_path, name, lines, expected):
     path = malformed_file(tmp_path, lines, sharegpt_good() if "ShareGPT" in name else None)
@@ -89,6 +90,7 @@ def test_malformed_row_is_skipped_and_counted_under_the_skip_policy(tmp_path, na
     assert train["bad_rows"] == 1 and train["bad_shown"][0].startswith("train.jsonl line 3: ")
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("name", "contents", "expected"),
     [
@@ -115,11 +117,13 @@ def test_counts_per_reason_and_only_the_first_rows_are_listed(tmp_path):
     assert "... 15 more" in Path(Volume(str(tmp_path / "out")).data_report).read_text()
 
 
+@pytest.mark.faults("every row longer than FT_MAX_LENGTH")
 def test_all_rows_dropped_as_too_long_exits_2(tmp_path):
     with pytest.raises(DataError, match="no training rows left and dropping long rows"):
         prepare(tmp_path, write_jsonl(tmp_path / "train.jsonl", conversations(3)), FT_MAX_LENGTH="16", FT_TRUNCATION="drop")
 
 
+@pytest.mark.faults("a chat template assistant-only loss cannot mask")
 def test_custom_template_without_markers_exits_2_instead_of_trls_error(tmp_path):
     custom = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ConfigError, match=r"not training-compatible.*\{% generation %\}.*FT_LOSS_ON=all"):
@@ -127,11 +131,13 @@ def test_custom_template_without_markers_exits_2_instead_of_trls_error(tmp_path)
     assert len(prepare(tmp_path, tmp_path / "train.jsonl", template=custom).train) == 3  # FT_LOSS_ON=all needs no markers
 
 
+@pytest.mark.faults("plain text with FT_LOSS_ON=assistant")
 def test_plain_text_with_assistant_only_loss_exits_2(tmp_path):
     with pytest.raises(ConfigError, match="FT_LOSS_ON=assistant needs conversations"):
         prepare(tmp_path, write_jsonl(tmp_path / "train.jsonl", [{"text": "apple"}]), FT_LOSS_ON="assistant")
 
 
+@pytest.mark.faults("tool calls the chat template cannot render")
 def test_tool_calls_the_template_cannot_render_are_bad_rows(tmp_path):
     call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
     rows = [GOOD, {"messages": [USER, call, {"role": "tool", "content": "6"}, REPLY]}]

@@ -22,6 +22,7 @@ def finite(checkpoint) -> bool:
     return all(bool(t.isfinite().all()) for t in load_file(checkpoint / "model.safetensors").values())
 
 
+@pytest.mark.faults("a learning rate that makes the loss NaN")
 @pytest.mark.slow
 def test_a_huge_learning_rate_exits_5_naming_the_step_and_the_last_good_checkpoint_and_a_retry_diverges_again(tmp_path):
     out = tmp_path / "volume"
@@ -64,6 +65,7 @@ def in_process(demo_assets, tmp_path, **env: str):
     return config, tokenizer, data.prepare(config.settings, tokenizer), memory.preflight(config)
 
 
+@pytest.mark.faults("a loss above FT_LOSS_LIMIT")
 def test_a_loss_above_the_limit_stops_the_job_after_the_patience(demo_assets, tmp_path):
     config, tokenizer, prepared, plan = in_process(demo_assets, tmp_path, FT_LOSS_LIMIT="1", FT_DIVERGENCE_PATIENCE="3")  # the demo starts near 6
     trainer = job.build_trainer(config, tokenizer, prepared, plan)
@@ -102,6 +104,7 @@ class PoisonWeights(TrainerCallback):
                 model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
 
 
+@pytest.mark.faults("NaN weights in a checkpoint")
 def test_a_checkpoint_with_nan_weights_is_set_aside_uncommitted_even_with_the_loss_watch_off(demo_assets, tmp_path):
     config, tokenizer, prepared, plan = in_process(demo_assets, tmp_path, FT_DIVERGENCE_PATIENCE="0")
     trainer = job.build_trainer(config, tokenizer, prepared, plan, callbacks=(PoisonWeights(),))

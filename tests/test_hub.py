@@ -18,6 +18,7 @@ def hub_env(out, endpoint: str, **settings: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("variable", ["FT_MODEL", "FT_DATASET"])
 def test_an_unreachable_hub_exits_1_within_seconds_naming_the_id_and_how_to_run_offline(variable, demo_assets, tmp_path):
     ids = {"FT_MODEL": "Qwen/Qwen3-0.6B", "FT_DATASET": "trl-lib/Capybara"}
@@ -36,6 +37,7 @@ def test_an_unreachable_hub_exits_1_within_seconds_naming_the_id_and_how_to_run_
     assert elapsed < 30, elapsed  # huggingface_hub's own retries alone took 23 s per id, 52 s for a dataset
 
 
+@pytest.mark.faults("a hub that accepts connections but never answers")
 def test_a_hub_that_accepts_but_never_answers_is_given_up_after_the_hub_timeout(demo_assets, tmp_path):
     with socket.socket() as silent:  # the kernel completes the handshake; nobody ever reads the request
         silent.bind(("127.0.0.1", 0))

@@ -188,6 +188,7 @@ def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
     assert_answers_as_transformers_does(served_greedy_answer(model, "Reverse: apple stone", 4), out / "final" / "model", "Reverse: apple stone", 4)
 
 
+@pytest.mark.faults("a model registry that refuses the registration")
 @pytest.mark.slow  # the demo job twice, in subprocesses
 def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(tmp_path):
     out = tmp_path / "volume"
@@ -206,6 +207,7 @@ def test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers(
     assert f"registered {DEMO_NAME}/1" in retry.stdout
 
 
+@pytest.mark.faults("a tracking URI this MLflow cannot use")
 def test_a_tracking_uri_this_mlflow_cannot_use_exits_2_before_training_without_its_password(tmp_path):
     out = tmp_path / "volume"
     env = job_env(out, FT_PRESET="demo", MLFLOW_TRACKING_URI="azureml://bob:s3cret-pw@eastus.api.azureml.ms/mlflow/v1.0/subscriptions/x")

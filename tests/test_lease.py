@@ -35,6 +35,7 @@ def start_in_own_group(env: dict[str, str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ROOT / "entrypoint.py")], env=env, cwd=ROOT, start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
+@pytest.mark.faults("a second job on a running job's volume")
 def test_a_second_job_on_a_running_jobs_volume_exits_7_naming_it_and_the_first_finishes_unharmed(tmp_path):
     out, log = tmp_path / "volume", tmp_path / "first.log"
     env = job_env(out, **DEMO, FT_LEASE_SECONDS="12")
@@ -69,6 +70,7 @@ def test_a_second_job_on_a_running_jobs_volume_exits_7_naming_it_and_the_first_f
     assert not (out / LEASE).exists(), "released at exit 0: the next job starts at once"
 
 
+@pytest.mark.faults("three jobs started together on one volume", "a running job whose lease another job took over")
 def test_of_jobs_started_together_one_runs_the_others_exit_7_and_a_job_whose_lease_is_taken_over_stops(tmp_path):
     out = tmp_path / "volume"
     held = [tmp_path / f"training-process-{i}" for i in range(3)]
@@ -111,6 +113,7 @@ def test_of_jobs_started_together_one_runs_the_others_exit_7_and_a_job_whose_lea
                 job.wait()
 
 
+@pytest.mark.faults("a lease left by a job killed on another machine", "a lease left by a job killed on this machine")
 def test_a_lease_left_by_a_killed_job_is_taken_over_and_each_restart_resumes(tmp_path):
     out = tmp_path / "volume"
     env = job_env(out, **(DEMO | {"FT_MAX_STEPS": "30"}), FT_LEASE_SECONDS="4")

@@ -143,6 +143,7 @@ def test_plan_recomputes_only_as_many_layers_as_the_memory_needs():
     assert memory.plan(config, n, settings, PRECISIONS["bf16-sr"], 0.0, "auto").checkpoint_every == 0  # CPU: never
 
 
+@pytest.mark.faults("a GPU too small for the configuration")
 @pytest.mark.slow
 def test_preflight_exits_2_naming_the_settings_when_the_gpu_is_too_small(tmp_path):
     env = job_env(tmp_path / "out", FT_PRESET="demo", FT_GPU_MEMORY_GB="0.005", FT_MAX_LENGTH="512")
@@ -154,6 +155,7 @@ def test_preflight_exits_2_naming_the_settings_when_the_gpu_is_too_small(tmp_pat
     assert "exit 2" in termination_message(env)
 
 
+@pytest.mark.faults("a volume too small for the checkpoints")
 def test_disk_check_names_the_settings_when_checkpoints_do_not_fit(tmp_path):
     settings = _settings(FT_OUTPUT_DIR=str(tmp_path), FT_MAX_STEPS="1000", FT_SAVE_STEPS="25", FT_EVAL_STEPS="25")
     problem = memory.check_disk(settings, n_params=10**12, precision=PRECISIONS["bf16-mixed"])  # a 1T model: 12 TB per checkpoint
@@ -161,6 +163,7 @@ def test_disk_check_names_the_settings_when_checkpoints_do_not_fit(tmp_path):
     assert memory.check_disk(settings, n_params=1000, precision=PRECISIONS["bf16-mixed"]) is None
 
 
+@pytest.mark.faults("a model no single GPU fits")
 def test_a_model_too_big_for_one_gpu_is_told_how_many_gpus_fit_it_and_they_do(tmp_path):
     """Qwen3-8B (weights, gradients and AdamW states alone: 131 GB) on 80 GB H100s: the preflight names the GPUs."""
     from trainer import model

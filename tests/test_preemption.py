@@ -38,6 +38,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.faults("SIGTERM mid-run", "SIGKILL inside a checkpoint save", "SIGKILL mid-run")
 def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(uninterrupted, tmp_path):
     out = tmp_path / "volume"
     env = job_env(out, **STEPS)
@@ -99,6 +100,7 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     assert loss_steps(out, runs[0].info.run_id)[-1] == 40
 
 
+@pytest.mark.faults("SIGTERM at an epoch boundary")
 def test_resume_across_epoch_boundaries_is_exact(tmp_path):
     from trainer import demo
 
@@ -119,6 +121,7 @@ def test_resume_across_epoch_boundaries_is_exact(tmp_path):
     assert max_weight_difference(reference / name, out / name) <= 1e-5
 
 
+@pytest.mark.faults("a restart with a setting that changes the result")
 def test_restart_with_a_changed_learning_rate_exits_2_naming_it(uninterrupted):
     env = job_env(uninterrupted, **STEPS, FT_LEARNING_RATE="3e-3")
     (uninterrupted / ".fulltune" / "status.json").rename(uninterrupted / "status.json.bak")  # look unfinished
@@ -143,6 +146,7 @@ def test_restart_after_success_exits_0_without_training_or_a_new_run(uninterrupt
     assert [r.info.run_id for r in mlflow_runs(uninterrupted)] == before
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("second_signal", [False, True], ids=["deadline", "second-signal"])
 def test_a_stop_that_cannot_finish_in_time_exits_76(tmp_path, second_signal):
     out = tmp_path / "volume"
@@ -161,6 +165,7 @@ def test_a_stop_that_cannot_finish_in_time_exits_76(tmp_path, second_signal):
     assert why in termination_message(env)
 
 
+@pytest.mark.faults("SIGTERM while the training process starts")
 def test_a_stop_while_the_training_process_starts_exits_76_without_touching_the_volume(tmp_path):
     out = tmp_path / "volume"
     env = job_env(out, **STEPS)

@@ -138,6 +138,7 @@ def test_fsdp_shards_the_model_over_two_cpu_processes_and_trains_what_one_proces
     assert committed_steps(out) == [20, 40]
 
 
+@pytest.mark.faults("an FSDP checkpoint resumed without FSDP")
 def test_fsdp_resumes_exactly_reshards_to_three_processes_and_refuses_what_it_cannot_read(fsdp, tmp_path):
     reference, _ = fsdp
     out = tmp_path / "volume"
@@ -191,6 +192,7 @@ def test_two_nodes_train_one_model_in_one_run(two_nodes):
     assert not (two_nodes / "final.gathered").exists()
 
 
+@pytest.mark.faults("SIGTERM to one node of two", "a restart on another number of processes")
 def test_sigterm_to_one_node_stops_both_at_the_same_step_and_the_restart_ends_as_an_uninterrupted_run(two_nodes, tmp_path):
     out = tmp_path / "volume"
     envs = node_envs(out, tmp_path, **TWO, **SHORT)
@@ -223,6 +225,7 @@ def test_sigterm_to_one_node_stops_both_at_the_same_step_and_the_restart_ends_as
         assert difference <= 1e-5, name
 
 
+@pytest.mark.faults("SIGKILL of one rank")
 def test_a_rank_that_dies_fails_the_whole_job_fast(tmp_path):
     out = tmp_path / "volume"
     envs = node_envs(out, tmp_path, **TWO, **SHORT)

@@ -43,6 +43,7 @@ def test_defaults_are_the_reference_recipe():
     assert config.trust_remote_code is False
 
 
+@pytest.mark.faults("several bad settings at once")
 def test_bad_values_exit_2_within_seconds_naming_every_variable(tmp_path):
     env = job_env(tmp_path / "volume", FT_LEARNING_RATE="fast", FT_MAX_STEPS="-3", FT_BATCH_SIZE="0")
     started = time.monotonic()
@@ -56,12 +57,14 @@ def test_bad_values_exit_2_within_seconds_naming_every_variable(tmp_path):
     assert not (tmp_path / "volume").exists(), "nothing is written before the settings are valid"
 
 
+@pytest.mark.faults("a misspelt FT_ variable")
 def test_an_unknown_ft_variable_is_rejected_and_a_secret_looking_value_is_masked():
     with pytest.raises(ConfigError, match=r"FT_LEARNIN_RATE='1e-4': is not a fulltune setting") as caught:
         settings.load({"FT_LEARNIN_RATE": "1e-4", "FT_API_TOKEN": "hunter2"})
     assert "FT_API_TOKEN=****" in str(caught.value) and "hunter2" not in str(caught.value)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("env", "message"),
     [

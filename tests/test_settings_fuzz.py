@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from hypothesis import HealthCheck, assume, example, given
 from hypothesis import settings as explore
 from hypothesis import strategies as st
@@ -85,6 +86,7 @@ def assert_usable(config: job_config.Config) -> None:
     recipe.sft_config(values, config.precision, plan, cuda=False)
 
 
+@pytest.mark.faults("arbitrary strings in one FT_* variable")
 @FUZZ
 @given(name=st.sampled_from(NAMES), value=VALUES)
 @example(name="FT_LEARNING_RATE", value="nan").via("a float that is not a number")
@@ -102,6 +104,7 @@ def test_any_value_of_one_variable_is_usable_or_an_error_naming_it(name, value):
         assert_usable(config)
 
 
+@pytest.mark.faults("arbitrary strings in several FT_* variables")
 @FUZZ
 @given(env=st.dictionaries(st.sampled_from(NAMES), VALUES, min_size=2, max_size=6))
 def test_any_values_of_several_variables_are_usable_or_an_error_naming_one_of_them(env):
@@ -118,6 +121,7 @@ def test_any_values_of_several_variables_are_usable_or_an_error_naming_one_of_th
 FIXED = ("FT_OUTPUT_DIR", "FT_TERMINATION_MESSAGE_PATH")  # where the test looks for writes
 
 
+@pytest.mark.faults("invalid values through entrypoint.py")
 @explore(max_examples=6, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(env=st.dictionaries(st.sampled_from([n for n in NAMES if n not in FIXED]), VALUES, min_size=1, max_size=4))
 def test_invalid_values_through_entrypoint_exit_2_without_a_traceback_or_a_write(env, tmp_path_factory):

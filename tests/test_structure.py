@@ -90,6 +90,7 @@ def test_settings_are_parsed_once_and_the_training_process_keeps_the_parents_val
     assert json.loads((out / ".fulltune" / "fingerprint.json").read_text())["FT_MAX_STEPS"] == "6"
 
 
+@pytest.mark.faults("a training process started without entrypoint.py")
 def test_a_training_process_started_without_entrypoint_py_exits_2_saying_how_to_start_it(tmp_path):
     import subprocess
     import sys

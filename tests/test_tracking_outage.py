@@ -46,6 +46,7 @@ def wait_for_line(log, text: str, job, timeout: float = 240) -> None:
     assert text in log.read_text(), log.read_text()
 
 
+@pytest.mark.faults
 @pytest.mark.slow  # an MLflow server and the demo job (20 steps of at least 1.5 s) in subprocesses
 @pytest.mark.parametrize("retries", ["short", "mlflow-defaults"])
 def test_a_server_down_mid_run_loses_no_metric_and_the_job_finishes(retries, tmp_path):
@@ -85,6 +86,7 @@ def test_a_server_down_mid_run_loses_no_metric_and_the_job_finishes(retries, tmp
     server.kill()
 
 
+@pytest.mark.faults("a tracking server still down at registration")
 @pytest.mark.slow  # an MLflow server and the demo job twice, in subprocesses
 def test_a_server_still_down_at_the_end_exits_3_keeping_the_model_and_the_metrics_and_a_retry_sends_them_and_registers(tmp_path):
     server = MlflowServer(tmp_path).start()
@@ -122,6 +124,7 @@ def test_a_server_still_down_at_the_end_exits_3_keeping_the_model_and_the_metric
     server.kill()
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("server", ["refusing", "silent"])
 def test_a_tracking_server_that_does_not_answer_at_start_exits_1_within_seconds_before_anything_is_written(server, tmp_path):
     out = tmp_path / "volume"

@@ -47,6 +47,7 @@ def custom_code_model(demo_assets: Path, folder: Path, marker: Path) -> Path:
     return folder
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("build", "expected"),
     [
@@ -75,6 +76,7 @@ def settings_for(model: Path, **env: str):
     return settings_table.load({"FT_MODEL": str(model), "FT_PLATFORM": "none", "FT_OUTPUT_DIR": "/unused"} | env)
 
 
+@pytest.mark.faults("pickle weights beside safetensors")
 def test_safetensors_beside_pickles_are_what_loads_and_pickles_alone_need_the_opt_in(demo_assets, tmp_path):
     files = ["config.json", "model.safetensors", "pytorch_model.bin", "training_args.bin"]
     trust.check_weights(settings_for(demo_assets / "model"), files)  # model.load_model takes model.safetensors

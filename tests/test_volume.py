@@ -53,6 +53,7 @@ def shared_tmp():
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.faults("a volume the job's user cannot write")
 def test_a_volume_the_jobs_user_cannot_write_is_refused_naming_the_folder_the_uid_and_the_fix(shared_tmp):
     output = shared_tmp / "output"
     output.mkdir(mode=0o755)  # owned by root, as a host folder or a fresh PersistentVolume often is
@@ -69,6 +70,7 @@ def test_a_writable_volume_passes_and_keeps_no_trace_and_a_missing_folder_is_cre
     assert output.is_dir() and list(output.iterdir()) == []
 
 
+@pytest.mark.faults("an output folder that cannot be created")
 def test_entrypoint_exits_2_within_seconds_when_the_output_folder_cannot_be_created(tmp_path):
     (tmp_path / "not-a-folder").write_text("")
     env = job_env(tmp_path / "not-a-folder" / "output", FT_PRESET="demo")
