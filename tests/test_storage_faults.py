@@ -65,6 +65,7 @@ def nothing_registered_or_saved(volume: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.faults("a volume full during a checkpoint save")
 def test_a_full_volume_during_a_checkpoint_exits_6_keeping_the_last_one_and_after_making_room_ends_like_a_straight_run(small_volume, straight):
     volume, filler = small_volume / "volume", small_volume / "filler"
     env = job_env(volume, **STEPS) | {"FT_TERMINATION_MESSAGE_PATH": str(small_volume.parent / "termination-log")}  # not on the full volume
@@ -90,6 +91,7 @@ def test_a_full_volume_during_a_checkpoint_exits_6_keeping_the_last_one_and_afte
 
 
 @pytest.mark.slow
+@pytest.mark.faults("a volume full during the final save")
 def test_a_full_volume_during_the_final_save_exits_6_and_after_making_room_saves_the_straight_runs_model(small_volume, straight):
     volume, filler = small_volume / "volume", small_volume / "filler"
     env = job_env(volume, **STEPS) | {"FT_TERMINATION_MESSAGE_PATH": str(small_volume.parent / "termination-log")}  # not on the full volume
@@ -131,7 +133,9 @@ def truncate_to_half(path: Path) -> None:
         ("model.safetensors", flip_one_byte, "model.safetensors does not match its xxh3_128 checksum recorded at commit (its bytes changed)"),
         ("optimizer.pt", truncate_to_half, "optimizer.pt has {half} bytes, {size} at commit (truncated)"),
     ],
+    ids=["a flipped byte in the weights", "a truncated optimizer file"],
 )
+@pytest.mark.faults
 def test_a_damaged_newest_checkpoint_is_set_aside_naming_the_file_and_the_job_resumes_from_the_one_before(tmp_path, straight, damaged, damage, reported):
     volume = tmp_path / "volume"
     env = job_env(volume, **STEPS)
