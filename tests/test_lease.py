@@ -156,3 +156,41 @@ def test_a_job_that_exits_2_after_taking_the_lease_releases_it(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "FT_LIGER=true needs a GPU" in result.stderr
     assert not out.exists() or not any(out.iterdir()), "nothing is left on the volume: no lease, no empty state folder"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            found += map(int, children)
+            queue += map(int, children)
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.faults("entrypoint.py killed alone, its training process left behind")
+def test_a_training_process_whose_launcher_is_killed_stops_and_the_next_start_takes_the_lease_at_once(tmp_path):
+    out, log = tmp_path / "volume", tmp_path / "first.log"
+    env = job_env(out, **DEMO)
+    first = start_job(with_faults(env, seconds_per_step=0.5), log)
+    wait_for(lambda: "starting from step 0" in log.read_text(), what="training to start")
+    below = descendants(first.pid)
+    assert below, "the training process runs below entrypoint.py"
+    first.kill()  # entrypoint.py alone, as `kill -9 <pid>` outside a container; its children stay
+    first.wait()
+    started = time.monotonic()
+    wait_for(lambda: not any(map(running, below)), timeout=15, what="the training process to end with its launcher")
+    print(f"training process gone {time.monotonic() - started:.1f} s after its launcher")
+    assert "the launcher (entrypoint.py" in log.read_text()
+    again = run_job(env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "took over the lease" in again.stdout and "watching it" not in again.stdout

@@ -165,6 +165,28 @@ def test_a_stop_that_cannot_finish_in_time_exits_76(tmp_path, second_signal):
     assert why in termination_message(env)
 
 
+@pytest.mark.faults
+@pytest.mark.parametrize("second_signal", [False, True], ids=["slow after the commit", "second signal after the commit"])
+def test_once_the_stops_checkpoint_is_committed_the_job_exits_75_whatever_follows(tmp_path, second_signal):
+    """The deadline and a second signal guard the save; after the commit (the run report, closing the MLflow run
+    can take a while) neither turns the stop into 76, which would say the checkpoint was not committed."""
+    out, held = tmp_path / "volume", tmp_path / "committed"
+    env = job_env(out, **STEPS, FT_STOP_DEADLINE_SECONDS="5")
+    job = start_job(with_faults(env, seconds_per_step=0.5, hold_after_stop_commit=held), tmp_path / "job.log")
+    wait_for(lambda: "starting from step 0" in (tmp_path / "job.log").read_text(), what="training to start")
+    job.send_signal(signal.SIGTERM)
+    wait_for(held.exists, timeout=60, what="the stop's checkpoint to be committed")
+    step = int(held.read_text())
+    if second_signal:
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=5) == 75, (tmp_path / "job.log").read_text()
+        assert "second SIGTERM after the checkpoint was committed" in termination_message(env)
+    else:
+        assert job.wait(timeout=60) == 75, (tmp_path / "job.log").read_text()  # held 8 s, past the 5 s deadline
+        assert "stop deadline" not in (tmp_path / "job.log").read_text()
+    assert committed_steps(out)[-1] == step
+
+
 @pytest.mark.faults("SIGTERM while the training process starts")
 def test_a_stop_while_the_training_process_starts_exits_76_without_touching_the_volume(tmp_path):
     out = tmp_path / "volume"

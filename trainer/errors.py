@@ -145,6 +145,7 @@ def write_termination_message(message: str) -> None:
 
 
 EXIT_FILE = "FULLTUNE_EXIT_FILE"  # set by launch.py for several processes: torchrun reports any failure as 1
+LAUNCHER_PID = "FULLTUNE_LAUNCHER_PID"  # set by launch.py: the training processes end with it (trainer/preemption.py)
 
 
 def record_exit(code: int) -> None:

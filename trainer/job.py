@@ -254,6 +254,7 @@ def main() -> int:
     """Entry of the training process: run the job entrypoint.py configured, and turn its outcome into the exit code."""
     if not ranks.is_main():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one progress log per job: rank 0's (errors still reach stderr)
+    preemption.end_with_the_launcher()
     try:
         config = job_config.handed_over()
         with diskfull.reported(config.settings.output_dir, lambda: _full_elsewhere(Volume(config.settings.output_dir))):

@@ -117,6 +117,7 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env[VARIABLE] = config.to_json()  # the child runs with what was validated here, not with its own reading of FT_*
     outcome = tempfile.mkdtemp(prefix="fulltune-exit-")
+    env[errors.LAUNCHER_PID] = str(os.getpid())
     env[errors.EXIT_FILE] = os.path.join(outcome, "rank")  # each local rank leaves its exit code there (torchrun reports only 1)
     returncode = 0
     if not stops.received and not stops.ended:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
 from transformers import TrainerCallback
 
 from trainer import ranks
-from trainer.errors import StopAbandoned, record_exit, write_termination_message
+from trainer.errors import LAUNCHER_PID, Preempted, StopAbandoned, record_exit, write_termination_message
 
 
 class StopOnSignal(TrainerCallback):
@@ -25,6 +26,8 @@ class StopOnSignal(TrainerCallback):
     def __init__(self, deadline_seconds: int):
         self.deadline_seconds = deadline_seconds
         self.requested_at: float | None = None
+        self.deadline: threading.Timer | None = None
+        self.committed = False  # the stop's checkpoint counts: what is left (the run report, MLflow) may be cut short
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
 
@@ -34,6 +37,8 @@ class StopOnSignal(TrainerCallback):
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
+        if self.committed:
+            self._leave(Preempted.exit_code, f"second {name} after the checkpoint was committed; a retry resumes from it")
         if self.requested:
             self._give_up(f"second {name} before the checkpoint was committed")
         self._on_stop(f"{name} received")
@@ -41,17 +46,27 @@ class StopOnSignal(TrainerCallback):
     def _on_stop(self, why: str) -> None:
         self.requested_at = time.monotonic()
         print(f"fulltune: {why}: saving a checkpoint at the end of this step (deadline {self.deadline_seconds} s)", flush=True)
-        timer = threading.Timer(self.deadline_seconds, self._give_up, args=(f"stop deadline of {self.deadline_seconds} s passed",))
-        timer.daemon = True
-        timer.start()
+        self.deadline = threading.Timer(self.deadline_seconds, self._give_up, args=(f"stop deadline of {self.deadline_seconds} s passed",))
+        self.deadline.daemon = True
+        self.deadline.start()
 
     def _give_up(self, why: str) -> None:
-        code = StopAbandoned.exit_code
-        message = f"exit {code}: {why}; a retry resumes from the last committed checkpoint"
+        self._leave(StopAbandoned.exit_code, f"{why}; a retry resumes from the last committed checkpoint")
+
+    def _leave(self, code: int, why: str) -> None:
+        message = f"exit {code}: {why}"
         print(f"fulltune: {message}", flush=True)
         write_termination_message(message)
         record_exit(code)
         os._exit(code)  # from a signal handler or timer thread: no clean-up can be trusted to finish in time
+
+    def on_save(self, args, state, control, **kwargs):
+        """After CommitCheckpoints (an earlier callback): once the stop's checkpoint counts, the deadline no longer
+        applies (writing the run report or closing the MLflow run never turns a committed stop into 76)."""
+        if self.requested:
+            self.committed = True
+            if self.deadline is not None:
+                self.deadline.cancel()
 
     def on_step_end(self, args, state, control, **kwargs):
         if ranks.any_rank(self.requested) and not self.requested:  # another node was told to stop: stop here too
@@ -61,3 +76,29 @@ class StopOnSignal(TrainerCallback):
             control.should_evaluate = False
             control.should_training_stop = True
         return control
+
+
+def end_with_the_launcher(every_seconds: float = 1.0) -> None:
+    """Exit when entrypoint.py is gone (killed alone, e.g. `kill -9` outside a container).
+
+    It holds the volume's lease (trainer/lease.py); a training process left running without it would go on
+    writing a volume the next job on this machine takes over at once, seeing the lease's holder gone.  The
+    launcher is the parent of torchrun or accelerate, not of this process, so the kernel's parent-death signal
+    cannot say it; polling its pid once a second can.
+    """
+    pid = int(os.environ.get(LAUNCHER_PID) or 0)
+    if not pid:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_seconds)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                print(f"fulltune: the launcher (entrypoint.py, pid {pid}) is gone: stopping without saving, so that no other job finds this one still writing the volume", file=sys.stderr, flush=True)
+                os._exit(1)
+            except PermissionError:  # alive, under another uid
+                pass
+
+    threading.Thread(target=watch, name="fulltune-launcher-watch", daemon=True).start()

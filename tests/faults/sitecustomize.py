@@ -12,6 +12,8 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
   FAULT_FILL_VOLUME_AT=4               after checkpoint 4 is committed; `final`: just before the final model is saved
   FAULT_HOLD_START=<file>              the training process writes <file> and sleeps before anything else
                                        (a stop that lands while it starts)
+  FAULT_HOLD_AFTER_STOP_COMMIT=<file>  once a stop's checkpoint is committed, write <file> and sleep 8 s (what
+                                       follows, the run report and closing the MLflow run, taking long)
   FAULT_COUNT_PARSES=<file>            append a line to <file> each time the FT_* settings are parsed
   FAULT_CHILD_ENV=FT_MAX_STEPS=3       the training process starts with this variable changed
 """
@@ -38,6 +40,27 @@ def _step_faults(module):
         return original(self, args, state, control, **kwargs)
 
     module.StopOnSignal.on_step_end = on_step_end
+
+
+def _hold_after_stop_commit(module):
+    original = module.StopOnSignal.on_save
+
+    def on_save(self, args, state, control, **kwargs):
+        result = original(self, args, state, control, **kwargs)
+        if self.requested:
+            with open(os.environ["FAULT_HOLD_AFTER_STOP_COMMIT"], "w") as f:
+                f.write(str(state.global_step))
+            time.sleep(8)
+        return result
+
+    module.StopOnSignal.on_save = on_save
+
+
+def _preemption_faults(module):
+    if os.environ.get("FAULT_SECONDS_PER_STEP") or os.environ.get("FAULT_SIGTERM_AT_STEP"):
+        _step_faults(module)
+    if os.environ.get("FAULT_HOLD_AFTER_STOP_COMMIT"):
+        _hold_after_stop_commit(module)
 
 
 def _kill_before_commit(module):
@@ -98,7 +121,7 @@ def _count_parses(module):
 
 
 PATCHES = {  # module -> (variables, patch)
-    "trainer.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP"), _step_faults),
+    "trainer.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HOLD_AFTER_STOP_COMMIT"), _preemption_faults),
     "trainer.checkpoints": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.settings": (("FAULT_COUNT_PARSES",), _count_parses),
 }
