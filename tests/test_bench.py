@@ -9,7 +9,7 @@ from bench import run as bench_run
 def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatch):
     import trl
 
-    from trainer import attention, checkpoints, job, memory, progress, recipe, tracking
+    from trainer import attention, checkpoints, job, memory, progress, recipe, sharding, tracking
 
     synthetic.build(str(tmp_path), rows=40, mean_tokens=48, gpu=False, config_path="", vocab=300)
     args = bench_run.parse(["--steps", "2", "--eval-steps", "1", "--no-mlflow", "--work", str(tmp_path)])
@@ -27,7 +27,7 @@ def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatc
     trainer = child.fulltune(config, timer)
 
     assert built == [trainer], "bench/child.py must build the fulltune variant with trainer.job.build_trainer"
-    assert type(trainer) is trl.SFTTrainer
+    assert isinstance(trainer, trl.SFTTrainer) and type(trainer) is sharding.trainer_class()  # the job's: FSDP honoured on CPU too
     callbacks = trainer.callback_handler.callbacks
     for kind in (checkpoints.CommitCheckpoints, progress.Progress, tracking.MetricsCallback):
         assert any(isinstance(c, kind) for c in callbacks), kind
