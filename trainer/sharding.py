@@ -12,6 +12,7 @@ FSDP, we finish that decision the way accelerate does it for a GPU group: the sa
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from transformers import TrainerCallback
@@ -36,8 +37,9 @@ def honour_fsdp_on_cpu(trainer: Any) -> None:
     trainer.is_fsdp_enabled = True  # transformers derives it from the state right after building the accelerator
 
 
+@functools.cache  # one class: `type(trainer) is trainer_class()` holds, and it is built once
 def trainer_class() -> type:
-    """TRL's SFTTrainer, with its accelerator honouring FSDP on CPU processes too."""
+    """TRL's SFTTrainer, with its accelerator honouring FSDP on CPU processes too (trl imported only when asked)."""
     from trl import SFTTrainer
 
     class ShardedSFTTrainer(SFTTrainer):
