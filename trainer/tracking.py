@@ -265,9 +265,9 @@ def _recall(run: Any, unsent: list[dict[str, Any]]) -> None:
     server has just answered), then what an earlier attempt could not send."""
     from mlflow import MlflowClient
 
-    _history.clear()
-    _run_facts.update(run_id=run.info.run_id, experiment_id=run.info.experiment_id, tracking_uri=redact(MlflowClient().tracking_uri))
     client = MlflowClient()
+    _history.clear()
+    _run_facts.update(run_id=run.info.run_id, experiment_id=run.info.experiment_id, tracking_uri=redact(client.tracking_uri))
     for key in sorted(run.data.metrics):
         _history[key] = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
     for item in unsent:
