@@ -6,15 +6,17 @@
 
 Validation runs here, before torch is imported, so a typo exits 2 within a second.  The training
 process is a child so that this process (PID 1 in a container) can forward SIGTERM/SIGINT to it and
-return its exact exit code; it receives the configuration built here (trainer/config.py), not the
-environment to parse again (see trainer/launch.py and the README's exit codes).  This process also holds
-the volume's lease for the whole job (trainer/lease.py), so that a second job on the same volume exits 7.
+return its exact exit code; it receives the configuration built here (trainer/core/config.py), not the
+environment to parse again (see trainer/launch/launcher.py and the README's exit codes).  This process also holds
+the volume's lease for the whole job (trainer/launch/lease.py), so that a second job on the same volume exits 7.
 """
 
 import os
 import sys
 
-from trainer import cluster, config, errors, launch, lease, platforms, settings, volume
+from trainer.core import cluster, config, errors, platforms, settings, volume
+from trainer.launch import launcher as launch
+from trainer.launch import lease
 
 
 def main() -> int:

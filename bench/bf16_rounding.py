@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/bf16_rounding.py [--steps 6] [--lr 2e-5] [--eval-steps 30 --eval-lr 2e-4]
 
-Trains the demo model (trainer/demo.py) on the same rows each way, 8 sequences a step (4 x 2 passes), and
+Trains the demo model (trainer/data/demo.py) on the same rows each way, 8 sequences a step (4 x 2 passes), and
 prints per policy: the share of weight elements that changed at all, how much of the fp32 run's update was
 applied ("kept": the run's weight change projected on the fp32 run's, divided by its squared norm; 1 = all)
 and the mean training loss against fp32.  With --eval-steps, also the eval loss on 128 held-out rows after a
@@ -34,8 +34,9 @@ def train(demo_dir: str, policy: tuple[str, bool, bool], steps: int, lr: float, 
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
-    from trainer import model as model_module
-    from trainer import recipe, settings
+    from trainer.core import settings
+    from trainer.model import loading as model_module
+    from trainer.model import recipe
 
     dtype, bf16_compute, sr = policy
     config = settings.load({"FT_MODEL": os.path.join(demo_dir, "model"), "FT_PLATFORM": "none"} | ({"FT_PRECISION": "bf16-sr"} if sr else {}))
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument("--eval-lr", type=float, default=2e-4)
     args = parser.parse_args()
 
-    from trainer import demo
+    from trainer.data import demo
 
     work = tempfile.mkdtemp(prefix="fulltune-bf16-rounding-")
     demo_dir = demo.ensure_demo(work)

@@ -26,7 +26,7 @@ def main() -> None:
     from datasets import Dataset
     from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from trainer.checkpoints import CommitCheckpoints
+    from trainer.checkpointing.commits import CommitCheckpoints
 
     shutil.rmtree(args.out, ignore_errors=True)
     config = Qwen3Config(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,

@@ -7,7 +7,7 @@ The commit checksums each file right after writing it (still in the page cache),
 resume reads the newest checkpoint back, from the disk when the page cache no longer holds it (a new pod,
 another node), and is then bound by the disk's read speed instead (bench/checkpoint_save.py measures its
 write speed).  Qwen3-4B's checkpoint bytes come from the job's own numbers: parameters from its config
-(bench/qwen3-4b-config.json) times the precision's checkpoint bytes per parameter (trainer/config.py).
+(bench/qwen3-4b-config.json) times the precision's checkpoint bytes per parameter (trainer/core/config.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def gb_per_second(path: str, algorithm: str, rounds: int = 3) -> float:
     """Best of `rounds` passes of the commit's own read-and-hash loop over `path`."""
     import xxhash
 
-    from trainer import checkpoints
+    from trainer.checkpointing import commits as checkpoints
 
     size = os.path.getsize(path)
     best = float("inf")
@@ -44,8 +44,8 @@ def gb_per_second(path: str, algorithm: str, rounds: int = 3) -> float:
 def qwen3_4b_checkpoint_bytes() -> dict[str, int]:
     from transformers import Qwen3Config
 
-    from trainer import model
-    from trainer.config import PRECISIONS
+    from trainer.core.config import PRECISIONS
+    from trainer.model import loading as model
 
     fields = json.load(open(os.path.join(HERE, "qwen3-4b-config.json")))
     n_params = model.parameter_count(Qwen3Config(**{k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype")}))
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file is written (then read from the page cache)")
     args = parser.parse_args()
 
-    from trainer import checkpoints
+    from trainer.checkpointing import commits as checkpoints
 
     size = int(args.gb * 1e9)
     with tempfile.NamedTemporaryFile(dir=args.dir, prefix="fulltune-checksum-bench-") as f:

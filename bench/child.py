@@ -134,8 +134,8 @@ def fulltune_config(args, work: str, name: str, overrides: dict[str, str], cuda:
     """The job's configuration for these `FT_*` values, built as entrypoint.py builds it (device given, not probed)."""
     import torch
 
-    from trainer import config as job_config
-    from trainer import settings as settings_table
+    from trainer.core import config as job_config
+    from trainer.core import settings as settings_table
 
     settings = settings_table.load(fulltune_env(args, work, name, overrides))
     return job_config.build(settings, cuda=cuda, bf16_supported=cuda and torch.cuda.is_bf16_supported())
@@ -143,7 +143,10 @@ def fulltune_config(args, work: str, name: str, overrides: dict[str, str], cuda:
 
 def fulltune(config: Any, timer: Any = None) -> Any:
     """The job's trainer: the stages trainer/job.py runs before training, then `job.build_trainer` itself."""
-    from trainer import data, job, memory, model, recipe
+    from trainer import job
+    from trainer.data import prepare as data
+    from trainer.model import loading as model
+    from trainer.model import memory, recipe
 
     settings = config.settings
     plan = memory.preflight(config)
@@ -225,7 +228,7 @@ def run(args) -> dict:
         config = fulltune_config(args, work, name, overrides, cuda)
         trainer = fulltune(config, timer)
         if not args.no_mlflow:  # the job's own MLflow run, as job.run opens it around training
-            from trainer import tracking
+            from trainer.tracking import run as tracking
 
             tracking.configure(config.settings)
             context = tracking.job_run(config)
@@ -240,7 +243,7 @@ def run(args) -> dict:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e]
     evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
 
-    from trainer import progress
+    from trainer.tracking import progress
 
     net = trainer.model
     flops_per_token = progress.flops_per_token(net.config, net.num_parameters(), tokens / (args.steps * 8))
@@ -267,9 +270,10 @@ def run(args) -> dict:
 
 def dry_run(args, work: str) -> None:
     """Memory plans for the fulltune settings on an 80 GB GPU (H100), from config.json alone."""
-    from trainer import memory, model
-    from trainer import settings as settings_table
-    from trainer.config import PRECISIONS, Config
+    from trainer.core import settings as settings_table
+    from trainer.core.config import PRECISIONS, Config
+    from trainer.model import loading as model
+    from trainer.model import memory
 
     base = fulltune_env(args, work, "dry-run", dict(s.split("=", 1) for s in args.set))
     for extra in ({}, {"FT_MAX_LENGTH": "4096"}, {"FT_BATCH_LAYOUT": "as-set"}, {"FT_PRECISION": "bf16-sr"}):

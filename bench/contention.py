@@ -58,7 +58,7 @@ def measure(layout: str, seconds: float) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from bench import synthetic
-    from trainer import attention
+    from trainer.model import attention
 
     torch.manual_seed(0)
     net = Qwen3ForCausalLM(Qwen3Config(vocab_size=synthetic.WORDS + 7, max_position_embeddings=4096, tie_word_embeddings=True, **synthetic.TINY)).train()

@@ -45,11 +45,11 @@ def seconds_per_step(workers: int, data, steps: int, sequences_per_step: int) ->
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from bench import synthetic
-    from trainer import config as job_config
-    from trainer import data as job_data
     from trainer import job
-    from trainer import settings as settings_table
-    from trainer.memory import Plan
+    from trainer.core import config as job_config
+    from trainer.core import settings as settings_table
+    from trainer.data import prepare as job_data
+    from trainer.model.memory import Plan
 
     with tempfile.TemporaryDirectory() as out:
         env = {"FT_PLATFORM": "none", "FT_OUTPUT_DIR": out, "FT_DATALOADER_WORKERS": str(workers), "FT_MAX_LENGTH": "2048", "FT_TERMINATION_MESSAGE_PATH": ""}

@@ -17,8 +17,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from trainer import config as job_config  # noqa: E402
-from trainer import memory, model, settings  # noqa: E402
+from trainer.core import config as job_config  # noqa: E402
+from trainer.core import settings  # noqa: E402
+from trainer.model import loading as model  # noqa: E402
+from trainer.model import memory  # noqa: E402
 
 MODELS = {
     "Qwen3-4B": os.path.join(HERE, "qwen3-4b-config.json"),

@@ -82,7 +82,7 @@ def committed_steps(output_dir: Path) -> list[int]:
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory) -> Path:
     """The demo model, tokenizer and data, built once for the tests that point FT_MODEL at them."""
-    from trainer import demo
+    from trainer.data import demo
 
     return Path(demo.ensure_demo(str(tmp_path_factory.mktemp("demo-assets"))))
 

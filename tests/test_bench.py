@@ -9,7 +9,11 @@ from bench import run as bench_run
 def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatch):
     import trl
 
-    from trainer import attention, checkpoints, job, memory, progress, recipe, sharding, tracking
+    from trainer import job
+    from trainer.checkpointing import commits as checkpoints
+    from trainer.model import attention, memory, recipe, sharding
+    from trainer.tracking import progress
+    from trainer.tracking import run as tracking
 
     synthetic.build(str(tmp_path), rows=40, mean_tokens=48, gpu=False, config_path="", vocab=300)
     args = bench_run.parse(["--steps", "2", "--eval-steps", "1", "--no-mlflow", "--work", str(tmp_path)])

@@ -13,7 +13,7 @@ from botocore.validate import validate_parameters
 from deploy_files import REPO, validators_python
 from google.cloud import aiplatform_v1
 
-from trainer import platforms, settings
+from trainer.core import platforms, settings
 
 DEPLOY = REPO / "deploy"
 # What the README's `envsubst` fills in; the raw files (with ${...} left in) must validate too.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import job_env, run_job
-from trainer import cluster, settings
-from trainer.errors import ConfigError
+from trainer.core import cluster, settings
+from trainer.core.errors import ConfigError
 
 TRAINJOB = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29500"}
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer import data, demo, settings
-from trainer.errors import DataError
+from trainer.core import settings
+from trainer.core.errors import DataError
+from trainer.data import demo
+from trainer.data import prepare as data
 
 CHAT = [{"role": "user", "content": "Reverse: apple river stone"}, {"role": "assistant", "content": "stone river apple"}]
 

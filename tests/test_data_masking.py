@@ -8,8 +8,8 @@ import pytest
 from test_data import CHAT, conversations, prepare, tokenizer, write_jsonl
 from trl.chat_template_utils import qwen3_chat_template
 
-from trainer import masking
-from trainer.volume import Volume
+from trainer.core.volume import Volume
+from trainer.data import masking
 
 SYSTEM = {"role": "system", "content": "You reverse lists of words."}
 CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"word": "cloud"}}}]}

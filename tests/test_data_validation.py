@@ -10,9 +10,9 @@ import pytest
 from test_data import CHAT, conversations, demo_model, prepare, tokenizer, write_jsonl
 
 from conftest import job_env, run_job, termination_message
-from trainer import data
-from trainer.errors import ConfigError, DataError
-from trainer.volume import Volume
+from trainer.core.errors import ConfigError, DataError
+from trainer.core.volume import Volume
+from trainer.data import prepare as data
 
 GOOD = {"messages": CHAT}
 USER, REPLY = CHAT

@@ -12,10 +12,14 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from conftest import committed_steps, job_env, run_job, termination_message
-from trainer import config as job_config
-from trainer import data, divergence, job, memory, model
-from trainer import settings as settings_table
-from trainer.errors import Diverged
+from trainer import job
+from trainer.checkpointing import divergence
+from trainer.core import config as job_config
+from trainer.core import settings as settings_table
+from trainer.core.errors import Diverged
+from trainer.data import prepare as data
+from trainer.model import loading as model
+from trainer.model import memory
 
 
 def finite(checkpoint) -> bool:

@@ -17,10 +17,14 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from trainer import config as job_config
-from trainer import data, demo, job, memory, model
-from trainer import settings as settings_table
-from trainer.errors import ConfigError, DataError
+from trainer import job
+from trainer.core import config as job_config
+from trainer.core import settings as settings_table
+from trainer.core.errors import ConfigError, DataError
+from trainer.data import demo
+from trainer.data import prepare as data
+from trainer.model import loading as model
+from trainer.model import memory
 
 STEPS = 2
 
@@ -349,7 +353,7 @@ def test_every_setting_is_run_here_or_by_a_named_test():
 
 
 def test_allow_config_change_resumes_despite_a_changed_setting(demo_assets, files, tmp_path):
-    from trainer import checkpoints
+    from trainer.checkpointing import commits as checkpoints
 
     env = base_env(demo_assets, files, tmp_path / "volume")
     checkpoints.check_fingerprint(job_config.build(settings_table.load(env), cuda=False, bf16_supported=False))
@@ -361,7 +365,7 @@ def test_allow_config_change_resumes_despite_a_changed_setting(demo_assets, file
 
 
 def test_an_empty_termination_message_path_writes_nothing(tmp_path, monkeypatch):
-    from trainer import errors
+    from trainer.core import errors
 
     monkeypatch.chdir(tmp_path)
     job_config.build(settings_table.load({"FT_PLATFORM": "none", "FT_TERMINATION_MESSAGE_PATH": ""}), cuda=False, bf16_supported=False)

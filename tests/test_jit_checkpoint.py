@@ -1,4 +1,4 @@
-"""Why trainer/preemption.py replaces transformers' `enable_jit_checkpoint` instead of using it.
+"""Why trainer/checkpointing/preemption.py replaces transformers' `enable_jit_checkpoint` instead of using it.
 
 Each test runs a plain transformers Trainer with JIT checkpointing (and our commit callback) in a
 real subprocess and sends it a real signal.  If a future transformers fixes one of these, the test

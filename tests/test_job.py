@@ -82,7 +82,7 @@ def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configur
 @pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_the_run_holds_the_effective_settings_as_params_and_the_trainers_metrics_at_each_logging_step(demo_job):
     """fulltune logs the Trainer's metrics itself: no TrainingArguments params, no second run (report_to="none")."""
-    from trainer import settings
+    from trainer.core import settings
 
     run = only_run()
     assert set(run.data.params) == set(settings.BY_ENV_NAME) | {"detected_platform", "precision"}

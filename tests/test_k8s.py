@@ -12,7 +12,7 @@ import pytest
 import yaml
 from deploy_files import OVERLAYS, REPO, dockerfile, entrypoint, image_env, one, pod_failure_rule, render, tool
 
-from trainer import settings
+from trainer.core import settings
 
 KUBERNETES_VERSION = "1.33.0"
 

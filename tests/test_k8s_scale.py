@@ -18,7 +18,7 @@ import yaml
 from deploy_files import REPO, SCALE_OVERLAYS, dockerfile, entrypoint, image_env, one, pod_failure_rule, render, strategic_merge, tool, unknown_fields
 from kubeflow_trainer_api.models import TrainerV1alpha1TrainingRuntime, TrainerV1alpha1TrainJob
 
-from trainer import cluster, config, settings
+from trainer.core import cluster, config, settings
 
 KUBERNETES_VERSION = "1.33.0"
 TRAINER_KINDS = {"TrainJob": TrainerV1alpha1TrainJob, "TrainingRuntime": TrainerV1alpha1TrainingRuntime}
@@ -272,7 +272,7 @@ def _job_action(job, exit_code=None, conditions=(), container="trainer"):
 
 
 def _same_job_on_every_node(parsed):
-    """The check every rank makes at start (trainer/ranks.py): all FT_* settings equal but the node's own two."""
+    """The check every rank makes at start (trainer/core/ranks.py): all FT_* settings equal but the node's own two."""
     import dataclasses
 
     shared = [dataclasses.replace(s, node_rank=0, termination_message_path="") for s in parsed]

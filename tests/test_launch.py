@@ -1,4 +1,4 @@
-"""The training process's environment, as trainer/launch.py hands it to the real child process."""
+"""The training process's environment, as trainer/launch/launcher.py hands it to the real child process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from trainer import launch
+from trainer.launch import launcher as launch
 
 PROBE = "import os, torch; print(repr(os.environ.get('OMP_NUM_THREADS')), torch.get_num_threads())"
 

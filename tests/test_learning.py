@@ -1,6 +1,6 @@
 """The whole data path is right when the demo model learns a task it can only solve by reading the user turn.
 
-The demo task (trainer/demo.py) asks to reverse a list of words: a model that is trained on the wrong
+The demo task (trainer/data/demo.py) asks to reverse a list of words: a model that is trained on the wrong
 tokens, fed truncated or mis-rendered conversations, or saved without its tokenizer cannot answer
 held-out prompts.  The model is trained through entrypoint.py and read back from FT_OUTPUT_DIR/final/model.
 """
@@ -12,7 +12,7 @@ import random
 import pytest
 
 from conftest import job_env, run_job
-from trainer import demo
+from trainer.data import demo
 
 HELD_OUT = 40
 STEPS = "600"  # the loss plateaus for 150-300 steps (seed-dependent), then drops to ~0.01 within ~250 more (batch 64, constant lr 1e-2)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from trainer import recipe
-from trainer import settings as settings_table
-from trainer.config import PRECISIONS
-from trainer.memory import Plan
+from trainer.core import settings as settings_table
+from trainer.core.config import PRECISIONS
+from trainer.model import recipe
+from trainer.model.memory import Plan
 
 
 def _tiny_model():
@@ -22,7 +22,7 @@ def _tiny_model():
 def test_per_sequence_attention_matches_sdpa_on_padding_free_and_padded_batches():
     import torch
 
-    from trainer import attention
+    from trainer.model import attention
 
     net = _tiny_model()
     lengths = [30, 50, 17]
@@ -53,9 +53,10 @@ def test_auto_optimizer_is_fused_adamw_on_gpu_and_the_loop_on_cpu_unless_set():
 
 
 def test_padding_free_passes_are_on_for_every_device_unless_turned_off():
-    """FT_PADDING_FREE=auto does not depend on the device (measured faster on CPU; GPU pending, trainer/recipe.py):
+    """FT_PADDING_FREE=auto does not depend on the device (measured faster on CPU; GPU pending, trainer/model/recipe.py):
     TRL's padding-free collator and the per-sequence attention on CPU and GPU alike; `off` is TRL's padded default."""
-    from trainer import attention, demo
+    from trainer.data import demo
+    from trainer.model import attention
 
     tokenizer = demo.build_tokenizer(["abc def"] * 10)
     for cuda in (False, True):
@@ -97,7 +98,12 @@ def _train_with_layout(demo_assets, tmp_path, layout: str) -> tuple[Plan, int, l
 
     import torch
 
-    from trainer import config, data, demo, job, memory, model
+    from trainer import job
+    from trainer.core import config
+    from trainer.data import demo
+    from trainer.data import prepare as data
+    from trainer.model import loading as model
+    from trainer.model import memory
 
     rows = tmp_path / "train.jsonl"
     rows.write_text("".join(json.dumps(row) + "\n" for row in demo.conversations(LAYOUT_ROWS, seed=7)))
@@ -140,7 +146,7 @@ def test_selective_recomputation_recomputes_the_planned_layers_and_keeps_the_los
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from trl import SFTTrainer
 
-    from trainer import demo
+    from trainer.data import demo
 
     tokenizer = demo.build_tokenizer(["abc def"] * 10)
     settings = settings_table.load({"FT_OUTPUT_DIR": str(tmp_path), "FT_MAX_STEPS": "3", "FT_LOGGING_STEPS": "1", "FT_WARMUP_STEPS": "0", "FT_LEARNING_RATE": "1e-3"})

@@ -11,7 +11,7 @@ import mlflow
 import pytest
 
 from conftest import job_env, run_job
-from trainer import progress
+from trainer.tracking import progress
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_a_missing_key_that_is_not_a_tied_weight_is_still_reported():
     """The filter drops the tied LM head's report only; a key really missing from a checkpoint still warns."""
     import logging
 
-    from trainer import demo
+    from trainer.data import demo
 
     seen: list[str] = []
 

@@ -10,14 +10,14 @@ import textwrap
 import pytest
 
 from tests.conftest import ROOT, job_env, run_job, termination_message
-from trainer import memory
-from trainer.config import PRECISIONS
+from trainer.core.config import PRECISIONS
+from trainer.model import memory
 
 QWEN3_4B = ROOT / "bench" / "qwen3-4b-config.json"
 
 
 def _settings(**changes):
-    from trainer import settings as settings_table
+    from trainer.core import settings as settings_table
 
     env = {"FT_MODEL": str(QWEN3_4B.parent), "FT_OUTPUT_DIR": "/tmp/unused", "FT_MAX_LENGTH": "2048"} | changes
     return settings_table.load(env)
@@ -34,7 +34,7 @@ def _qwen3_4b():
 
 
 def test_qwen3_4b_needs_16_bytes_per_parameter_before_activations():
-    from trainer.model import parameter_count
+    from trainer.model.loading import parameter_count
 
     config = _qwen3_4b()
     n = parameter_count(config)
@@ -45,7 +45,7 @@ def test_qwen3_4b_needs_16_bytes_per_parameter_before_activations():
 
 
 def test_bf16_sr_needs_12_bytes_per_parameter_and_10_per_checkpoint():
-    from trainer.model import parameter_count
+    from trainer.model.loading import parameter_count
 
     config = _qwen3_4b()
     n = parameter_count(config)
@@ -166,8 +166,8 @@ def test_disk_check_names_the_settings_when_checkpoints_do_not_fit(tmp_path):
 @pytest.mark.faults("a model no single GPU fits")
 def test_a_model_too_big_for_one_gpu_is_told_how_many_gpus_fit_it_and_they_do(tmp_path):
     """Qwen3-8B (weights, gradients and AdamW states alone: 131 GB) on 80 GB H100s: the preflight names the GPUs."""
-    from trainer import model
-    from trainer import settings as settings_table
+    from trainer.core import settings as settings_table
+    from trainer.model import loading as model
 
     config = _qwen3(ROOT / "bench" / "configs" / "qwen3-8b" / "config.json")
     n = model.parameter_count(config)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer import platforms, settings
+from trainer.core import platforms, settings
 
 
 @pytest.fixture

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import model as model_module
-from trainer import recipe, settings
-from trainer.config import PRECISIONS, resolve_precision
-from trainer.errors import ConfigError
+from trainer.core import settings
+from trainer.core.config import PRECISIONS, resolve_precision
+from trainer.core.errors import ConfigError
+from trainer.model import loading as model_module
+from trainer.model import recipe
 
 STEPS = 6
 
@@ -24,7 +25,7 @@ def train(demo_assets, weights_dtype: torch.dtype, bf16_compute: bool, tmp_path,
     """Return (fraction of weight elements that changed, mean training loss, every weight's change in fp32),
     or the eval loss with `evaluate`.
 
-    `sr`: FT_PRECISION=bf16-sr as the job wires it (bf16 weights from load_model, trainer/optim.py's AdamW).
+    `sr`: FT_PRECISION=bf16-sr as the job wires it (bf16 weights from load_model, trainer/model/optim.py's AdamW).
     """
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer

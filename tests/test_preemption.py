@@ -102,7 +102,7 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
 
 @pytest.mark.faults("SIGTERM at an epoch boundary")
 def test_resume_across_epoch_boundaries_is_exact(tmp_path):
-    from trainer import demo
+    from trainer.data import demo
 
     data = tmp_path / "small.jsonl"  # 45 training rows: 6 optimizer steps per epoch
     data.write_text("".join(json.dumps(row) + "\n" for row in demo.conversations(50, seed=7)))

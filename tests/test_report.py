@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from conftest import job_env, run_job
-from trainer import report
+from trainer.tracking import report
 
 CHROMIUM = shutil.which("chromium")
 

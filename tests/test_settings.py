@@ -8,8 +8,8 @@ import time
 import pytest
 
 from conftest import ROOT, job_env, run_job, termination_message
-from trainer import errors, settings
-from trainer.errors import ConfigError
+from trainer.core import errors, settings
+from trainer.core.errors import ConfigError
 
 # The public names. Removing or renaming one breaks users' manifests: change this set on purpose only.
 PUBLIC_NAMES = {

@@ -22,10 +22,10 @@ from hypothesis import settings as explore
 from hypothesis import strategies as st
 
 from conftest import ROOT
-from trainer import config as job_config
-from trainer import memory, recipe
-from trainer import settings as settings_table
-from trainer.errors import ConfigError
+from trainer.core import config as job_config
+from trainer.core import settings as settings_table
+from trainer.core.errors import ConfigError
+from trainer.model import memory, recipe
 
 NAMES = sorted(settings_table.BY_ENV_NAME)
 TRICKY = [

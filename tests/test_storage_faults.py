@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import committed_steps, job_env, max_weight_difference, run_job, termination_message, with_faults
-from trainer import checkpoints
+from trainer.checkpointing import commits as checkpoints
 
 STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="8", FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_TOTAL_LIMIT="2", FT_SYSTEM_METRICS="false")
 # The demo's checkpoint is 5.4 MB (1.8 MB weights, 3.6 MB AdamW states), its final model 1.8 MB: leaving half of

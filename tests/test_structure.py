@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ROOT, job_env, run_job, with_faults
 
-CODE = sorted((ROOT / "trainer").glob("*.py")) + [ROOT / "entrypoint.py"]
+CODE = sorted((ROOT / "trainer").rglob("*.py")) + [ROOT / "entrypoint.py"]
 LAYOUT = {"checkpoints", "incomplete", "final", "mlflow", ".fulltune", "data-cache", "data-report.txt", "eval-samples.jsonl", "report.html", "demo", "status.json", "fingerprint.json", "mlflow_run.json", "lease.json", "lease.lock", "unsent-tracking.json"}
 
 
@@ -29,16 +29,41 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT / "trainer").as_posix() if path.is_relative_to(ROOT / "trainer") else path.name
+
+
+# The folders of trainer/ in the order their imports point: a folder imports only from folders before it (and itself).
+# launch/ and core/ run before torch is imported; serving/ is copied into the saved model and imports nothing of fulltune.
+LAYERS = {"core": 0, "launch": 1, "data": 1, "model": 2, "checkpointing": 3, "tracking": 4}
+
+
+def test_the_folders_imports_point_one_way():
+    edges = set()
+    for path in CODE:
+        name = _name(path)
+        if "/" not in name:
+            continue
+        source = name.split("/")[0]
+        for module in _imports(path):
+            parts = module.split(".")
+            if parts[0] == "trainer" and len(parts) > 1 and parts[1] != source and parts[1] in LAYERS | {"serving": 0, "job": 9}:
+                edges.add((source, parts[1], name))
+    backwards = sorted((name, target) for source, target, name in edges if target == "job" or source == "serving" or (source in LAYERS and LAYERS.get(target, -1) >= LAYERS[source]))
+    assert backwards == []
+    assert {(source, target) for source, target, _ in edges if source == "launch"} <= {("launch", "core")}
+
+
 def test_only_the_tracking_module_imports_mlflow():
     """serving.py is the one exception: it is no part of the job but the saved model's code, which MLflow copies into
     the model and runs in the serving process (it subclasses mlflow.pyfunc.PythonModel); it opens no run."""
-    importers = [path.name for path in CODE if any(name == "mlflow" or name.startswith("mlflow.") for name in _imports(path))]
-    assert importers == ["serving.py", "tracking.py"]
+    importers = [_name(path) for path in CODE if any(name == "mlflow" or name.startswith("mlflow.") for name in _imports(path))]
+    assert importers == ["serving/pyfunc.py", "tracking/run.py"]
 
 
 def test_the_serving_module_imports_nothing_of_fulltune():
     """It runs alone inside `mlflow models serve`, where the trainer package is not installed."""
-    assert not {name for name in _imports(ROOT / "trainer" / "serving.py") if name.split(".")[0] in ("trainer", "entrypoint")}
+    assert not {name for name in _imports(ROOT / "trainer" / "serving" / "pyfunc.py") if name.split(".")[0] in ("trainer", "entrypoint")}
 
 
 def layout_paths_built(source: str) -> list[str]:
@@ -67,14 +92,19 @@ def test_only_the_volume_module_builds_paths_under_the_output_folder():
     assert offenders == {}
 
 
-def test_what_entrypoint_py_imports_before_validating_stays_light():
-    """The light modules entrypoint.py imports before validation stay free of torch, transformers and mlflow."""
-    light = ("entrypoint.py", "settings.py", "config.py", "errors.py", "platforms.py", "launch.py", "volume.py", "lease.py")
-    heavy = {"torch", "transformers", "mlflow", "trl", "datasets", "accelerate"}
-    for path in CODE:
-        if path.name in light:
-            top = {node.module if isinstance(node, ast.ImportFrom) else node.names[0].name for node in ast.parse(path.read_text()).body if isinstance(node, ast.Import | ast.ImportFrom)}
-            assert not {name.split(".")[0] for name in top if name} & heavy, path.name
+def test_entrypoint_and_the_contract_import_no_torch():
+    """entrypoint.py validates before torch is imported, so a typo exits 2 within a second: importing it, with every
+    module of core/ and launch/, in a fresh interpreter loads none of the heavy libraries."""
+    import subprocess
+    import sys
+
+    modules = ["entrypoint"] + [f"trainer.{path.parent.name}.{path.stem}" for folder in ("core", "launch") for path in sorted((ROOT / "trainer" / folder).glob("*.py"))]
+    heavy = ["torch", "transformers", "mlflow", "trl", "datasets", "accelerate"]
+    probe = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint(sorted(set({heavy!r}) & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    assert len(modules) > 9  # every module of both folders was imported
 
 
 @pytest.mark.slow

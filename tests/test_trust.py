@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import job_env, run_job, termination_message
-from trainer import settings as settings_table
-from trainer import trust
-from trainer.errors import ConfigError
+from trainer.core import settings as settings_table
+from trainer.core.errors import ConfigError
+from trainer.model import trust
 
 
 class RunsOnUnpickling:

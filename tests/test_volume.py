@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import job_env, run_job
-from trainer import volume
+from trainer.core import volume
 
 NOBODY = 65534
 

@@ -10,29 +10,20 @@ import shutil
 import sys
 from typing import Any
 
-from trainer import (
-    checkpoints,
-    data,
-    demo,
-    diskfull,
-    divergence,
-    hub,
-    memory,
-    model,
-    preemption,
-    progress,
-    ranks,
-    recipe,
-    report,
-    samples,
-    sharding,
-    tracking,
-    tracking_server,
-)
-from trainer import config as job_config
-from trainer.config import Config
-from trainer.errors import Preempted, exit_code_for, record_exit
-from trainer.volume import Volume, follow_umask, staged
+from trainer.checkpointing import commits as checkpoints
+from trainer.checkpointing import diskfull, divergence, preemption
+from trainer.core import config as job_config
+from trainer.core import ranks
+from trainer.core.config import Config
+from trainer.core.errors import Preempted, exit_code_for, record_exit
+from trainer.core.volume import Volume, follow_umask, staged
+from trainer.data import demo
+from trainer.data import prepare as data
+from trainer.model import hub, memory, recipe, sharding
+from trainer.model import loading as model
+from trainer.tracking import progress, report, samples
+from trainer.tracking import run as tracking
+from trainer.tracking import server as tracking_server
 
 
 def run(config: Config) -> None:
@@ -124,7 +115,7 @@ def _sample_answers(config: Config, tokenizer: Any, prepared: data.Prepared, pla
 
 def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport) -> Any:
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
-    raises Preempted (on every rank: they agree on the step, trainer/preemption.py) once the run report says so."""
+    raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
     volume = Volume(config.settings.output_dir)
     # Rank 0 sets cut-short and damaged saves aside (reading the newest back against its checksums); the others then take the newest left.
     resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))

@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 
-TRAINING_PROCESS = "FULLTUNE_CONFIG" in os.environ  # set by trainer/launch.py for the child only
+TRAINING_PROCESS = "FULLTUNE_CONFIG" in os.environ  # set by trainer/launch/launcher.py for the child only
 
 
 def _step_faults(module):
@@ -121,13 +121,13 @@ def _count_parses(module):
 
 
 PATCHES = {  # module -> (variables, patch)
-    "trainer.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HOLD_AFTER_STOP_COMMIT"), _preemption_faults),
-    "trainer.checkpoints": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
-    "trainer.settings": (("FAULT_COUNT_PARSES",), _count_parses),
+    "trainer.checkpointing.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HOLD_AFTER_STOP_COMMIT"), _preemption_faults),
+    "trainer.checkpointing.commits": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
+    "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
 }
 if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
     when = os.environ.get("FAULT_FILL_VOLUME_AT", "")
-    PATCHES["trainer.job" if when == "final" else "trainer.checkpoints"] = (("FAULT_FILL_VOLUME",), _fill_before_final_save if when == "final" else _fill_after_commit)
+    PATCHES["trainer.job" if when == "final" else "trainer.checkpointing.commits"] = (("FAULT_FILL_VOLUME",), _fill_before_final_save if when == "final" else _fill_after_commit)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

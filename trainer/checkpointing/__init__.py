@@ -1,0 +1,1 @@
+"""Checkpoints and faults: what a committed checkpoint is, stops (preemption), a full volume, divergence."""

@@ -1,0 +1,277 @@
+"""What a committed checkpoint is, which one to resume from, and which ones to keep.
+
+A checkpoint folder counts only once `commit.json` exists in it, parses, and lists every file with
+its size and its xxh3-128 checksum.  The manifest is written last, after every other file is flushed to
+disk; a folder without a valid manifest is a save that was cut short (transformers #35782 resumes from
+those).  Before resuming, the newest committed checkpoint is read back against its checksums: bytes that
+changed on the volume since the commit (a bad disk, a copy cut short, a hand edit) set it aside and the
+previous committed one is used, never the damaged one.  Manifests written before checksums were recorded
+are checked by size only.  A save whose
+weights hold a NaN or an infinity is never committed: it is set aside and the job stops (exit 5), so
+every committed checkpoint is one a retry can resume from.  We chose a
+manifest over renaming a staging folder because rename is not atomic on object-store mounts (gcsfuse,
+mountpoint-s3, SageMaker's /opt/ml/checkpoints sync).
+
+Retention is ours, not transformers': its `_rotate_checkpoints` deletes older checkpoints *before* the
+new one is complete, so a crash in the save could leave nothing to resume from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import xxhash
+from transformers import TrainerCallback
+
+from trainer.core import ranks
+from trainer.core.config import Config
+from trainer.core.errors import ConfigError, Diverged
+from trainer.core.volume import Volume, follow_umask, read_json, write_json
+
+MANIFEST = "commit.json"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # accelerate's FSDP_MODEL_NAME, FULL_STATE_DICT
+
+
+CHECKSUM = "xxh3_128"  # 5.6-6 GB/s on one core from the page cache (bench/checksum.py); it finds damage, not tampering (not cryptographic)
+CHUNK = 16 << 20
+
+
+def _checksum(path: str) -> str:
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_tree(folder: str) -> tuple[dict[str, int], dict[str, str]]:
+    """Flush every file to disk and checksum it (read back from the page cache: it was just written)."""
+    sizes, checksums = {}, {}
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            relative = os.path.relpath(path, folder)
+            sizes[relative], checksums[relative] = os.path.getsize(path), _checksum(path)
+    return sizes, checksums
+
+
+def commit(folder: str, step: int) -> None:
+    """Flush and checksum every file of the checkpoint, then write the manifest that makes it count."""
+    follow_umask(folder)  # readable by other uids, like every other file on the volume
+    sizes, checksums = _fsync_tree(folder)
+    sizes.pop(MANIFEST, None)
+    checksums.pop(MANIFEST, None)
+    write_json(os.path.join(folder, MANIFEST), {"step": step, "files": sizes, CHECKSUM: checksums, "committed_at": time.time()})
+
+
+def _manifest(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def is_committed(folder: str) -> bool:
+    """The manifest exists and every file it lists has its size (cheap: checksums are read only before resuming)."""
+    manifest = _manifest(folder)
+    try:
+        return manifest is not None and all(os.path.getsize(os.path.join(folder, name)) == size for name, size in manifest["files"].items())
+    except (OSError, TypeError):
+        return False
+
+
+def damage(folder: str, read: bool = True) -> str | None:
+    """What differs from the manifest, naming the file (None: intact).  `read`: every byte of every file is read back
+    against its checksum (manifests written before checksums were recorded: sizes only)."""
+    manifest = _manifest(folder)
+    if manifest is None:
+        return f"{MANIFEST} is missing or unreadable"
+    checksums = (manifest.get(CHECKSUM) or {}) if read else {}
+    for name, size in manifest["files"].items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        actual = os.path.getsize(path)
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} at commit ({'truncated' if actual < size else 'grown'})"
+        if name in checksums and _checksum(path) != checksums[name]:
+            return f"{name} does not match its {CHECKSUM} checksum recorded at commit (its bytes changed)"
+    return None
+
+
+def _checkpoints(checkpoint_dir: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(checkpoint_dir, n)) for n in os.listdir(checkpoint_dir) if (m := CHECKPOINT.match(n))]
+    return sorted(found)
+
+
+def committed(checkpoint_dir: str) -> list[tuple[int, str]]:
+    return [(step, path) for step, path in _checkpoints(checkpoint_dir) if is_committed(path)]
+
+
+def latest_for_resume(checkpoint_dir: str, quarantine_dir: str, verify: bool = True) -> str | None:
+    """The newest committed checkpoint whose files match their checksums; the others are moved to `quarantine_dir`.
+
+    Saves cut short (no manifest) are set aside and reported.  With `verify` (rank 0: the others resume from what it
+    left), the newest committed checkpoint is read back; a damaged one is set aside with a warning naming the file,
+    and the one before it is checked the same way.  None: nothing intact to resume from (training starts at step 0).
+    """
+    for step, path in _checkpoints(checkpoint_dir):
+        if _manifest(path) is None:
+            target = set_aside(path, quarantine_dir)
+            print(f"fulltune: checkpoint at step {step} was never committed (save cut short): moved to {target}", flush=True)
+        elif problem := damage(path, read=False):
+            _set_aside_damaged(step, path, problem, quarantine_dir)
+    if not verify:
+        return last_committed(checkpoint_dir)
+    for step, path in reversed(_checkpoints(checkpoint_dir)):
+        problem = damage(path)
+        if problem is None:
+            if CHECKSUM not in (_manifest(path) or {}):
+                print(f"fulltune: checkpoint at step {step} was committed without checksums (an older fulltune): only its file sizes were checked", flush=True)
+            return path
+        _set_aside_damaged(step, path, problem, quarantine_dir)
+    return None
+
+
+def _set_aside_damaged(step: int, path: str, problem: str, quarantine_dir: str) -> None:
+    target = set_aside(path, quarantine_dir, "damaged")
+    print(f"fulltune: warning: checkpoint at step {step} is damaged, not resumed: {problem}; moved to {target}", flush=True)
+
+
+def check_sharding(checkpoint: str | None, strategy: str) -> None:
+    """Refuse (exit 2), before any weights load, to resume a checkpoint in a layout this job cannot read.
+
+    Under FSDP, accelerate writes the whole weights and AdamW states keyed by parameter name (`pytorch_model_fsdp.bin`,
+    `optimizer.bin`, gathered on rank 0), which any number of FSDP processes can load; one process or DDP write
+    torch's own `optimizer.pt`, keyed by position.  transformers 5.24 resumes each only the way it was written (a
+    ValueError or a missing file after the model has loaded)."""
+    if checkpoint is None:
+        return
+    by_fsdp = os.path.exists(os.path.join(checkpoint, FSDP_WEIGHTS))
+    if by_fsdp == (strategy == "fsdp"):
+        return
+    written, now = ("FSDP", strategy if strategy != "none" else "one process") if by_fsdp else ("one process or DDP", "fsdp")
+    way = "FT_DISTRIBUTED=fsdp with 2 or more processes" if by_fsdp else "FT_DISTRIBUTED=ddp (or one process)"
+    raise ConfigError(
+        f"the checkpoint to resume, {checkpoint}, was written by {written} and this job runs {now}: its weights and optimizer "
+        f"states are stored in that layout only. Resume with {way}, or use a new FT_OUTPUT_DIR."
+    )
+
+
+def last_committed(checkpoint_dir: str) -> str | None:
+    found = committed(checkpoint_dir)
+    return found[-1][1] if found else None
+
+
+def committed_bytes(folder: str | None) -> int:
+    """Bytes of a committed checkpoint, from its manifest (0: none)."""
+    manifest = _manifest(folder) if folder else None
+    return sum(manifest["files"].values()) if manifest else 0
+
+
+def set_aside_uncommitted(checkpoint_dir: str, quarantine_dir: str, why: str) -> list[tuple[int, str]]:
+    """Move every checkpoint folder without a manifest (a save that just failed) aside; (step, where it is now) of each.
+    One that cannot be moved (no room even for the folder `quarantine_dir`) stays: the next start sets it aside."""
+    moved = []
+    for step, path in _checkpoints(checkpoint_dir):
+        if _manifest(path) is None:
+            try:
+                moved.append((step, set_aside(path, quarantine_dir, why)))
+            except OSError:
+                moved.append((step, path))
+    return moved
+
+
+def set_aside(path: str, quarantine_dir: str, why: str = "") -> str:
+    """Move a checkpoint that must never be resumed out of the checkpoints folder (kept, never deleted)."""
+    os.makedirs(quarantine_dir, exist_ok=True)
+    target = os.path.join(quarantine_dir, f"{os.path.basename(path)}{'.' + why if why else ''}.{int(time.time())}")
+    shutil.move(path, target)
+    return target
+
+
+def nonfinite_parameters(model) -> list[str]:
+    """Names of the parameters holding a NaN or an infinity (one reduction per tensor, on its device)."""
+    import torch
+
+    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def diverged(step: int, why: str, checkpoint_dir: str) -> Diverged:
+    """Exit 5, naming the step, the last good checkpoint and what to change (the same settings diverge again)."""
+    last = last_committed(checkpoint_dir)
+    good = f"the last good checkpoint is {last}" if last else "no checkpoint was committed before it"
+    return Diverged(
+        f"training diverged at step {step}: {why}; {good}. Nothing was registered and no final model was saved. "
+        "A retry with the same settings diverges again: lower FT_LEARNING_RATE (or raise FT_WARMUP_STEPS, or check the data), "
+        "then resume with FT_ALLOW_CONFIG_CHANGE=true or start a new FT_OUTPUT_DIR."
+    )
+
+
+def rotate(checkpoint_dir: str, keep: int, best: str | None) -> None:
+    """Delete committed checkpoints beyond the newest `keep`, never the best one."""
+    found = committed(checkpoint_dir)
+    protected = {os.path.abspath(path) for _, path in found[-keep:]} | ({os.path.abspath(best)} if best else set())
+    for _step, path in found:
+        if os.path.abspath(path) not in protected:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class CommitCheckpoints(TrainerCallback):
+    """After transformers writes `checkpoint-N`, check its weights are finite, commit it, then apply our retention."""
+
+    def __init__(self, keep: int, quarantine_dir: str | None = None):
+        self.keep, self.quarantine_dir = keep, quarantine_dir  # None: the volume's incomplete/ beside args.output_dir
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        bad = nonfinite_parameters(model) if model is not None else []
+        if ranks.any_rank(bool(bad)):  # every rank stops here, not only those whose shard holds the NaN
+            target = folder
+            if ranks.is_main():
+                target = set_aside(folder, self.quarantine_dir or Volume(os.path.dirname(os.path.abspath(args.output_dir))).incomplete, "not-finite")
+            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            raise diverged(state.global_step, f"the weights hold NaN or infinite values ({shown or 'on another rank'}); that checkpoint is set aside in {target}", args.output_dir)
+        ranks.barrier()  # every rank has written its part (its RNG state; its shards under FSDP)
+        if ranks.is_main():  # one manifest, written last, by one rank
+            commit(folder, state.global_step)
+            rotate(args.output_dir, self.keep, state.best_model_checkpoint)
+            print(f"fulltune: committed checkpoint at step {state.global_step}: {folder}", flush=True)
+        ranks.barrier()  # no rank goes on, or stops, before the checkpoint counts
+
+
+# -- What the checkpoints on a volume belong to ------------------------------------------------
+
+
+def check_fingerprint(config: Config) -> None:
+    """Refuse (exit 2) to resume checkpoints written for a different computation, unless allowed.
+
+    The fingerprint holds every setting whose `changes` flag is set (trainer/core/settings.py), so a setting
+    that changes the result cannot be forgotten here."""
+    settings = config.settings
+    current = config.fingerprint()
+    path = Volume(settings.output_dir).fingerprint_file
+    recorded = read_json(path)
+    if recorded is not None:
+        differences = [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now" for k in {**recorded, **current} if recorded.get(k) != current.get(k)]
+        if differences and not settings.allow_config_change:
+            raise ConfigError(
+                f"the checkpoints in {settings.output_dir} belong to a different configuration ("
+                + "; ".join(differences)
+                + "). Use a new FT_OUTPUT_DIR, restore the settings, or set FT_ALLOW_CONFIG_CHANGE=true to resume anyway."
+            )
+        if differences:
+            print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
+    if ranks.is_main():
+        write_json(path, current)

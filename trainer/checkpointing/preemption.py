@@ -1,0 +1,104 @@
+"""SIGTERM/SIGINT: finish the optimizer step, commit a checkpoint, exit 75.
+
+transformers' `enable_jit_checkpoint` is not enough here (tests/test_preemption.py shows it):
+it handles SIGTERM only, waits 3 s before acting, saves through `_save_checkpoint` without calling
+`on_save` (so nothing commits the checkpoint), and then lets `train()` return as if training had
+finished, so the caller cannot tell a stop from success.  It also has no deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+from transformers import TrainerCallback
+
+from trainer.core import ranks
+from trainer.core.errors import LAUNCHER_PID, Preempted, StopAbandoned, record_exit, write_termination_message
+
+
+class StopOnSignal(TrainerCallback):
+    """The first signal requests a save at the next step boundary; a second one, or the deadline, exits 76."""
+
+    def __init__(self, deadline_seconds: int):
+        self.deadline_seconds = deadline_seconds
+        self.requested_at: float | None = None
+        self.deadline: threading.Timer | None = None
+        self.committed = False  # the stop's checkpoint counts: what is left (the run report, MLflow) may be cut short
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.committed:
+            self._leave(Preempted.exit_code, f"second {name} after the checkpoint was committed; a retry resumes from it")
+        if self.requested:
+            self._give_up(f"second {name} before the checkpoint was committed")
+        self._on_stop(f"{name} received")
+
+    def _on_stop(self, why: str) -> None:
+        self.requested_at = time.monotonic()
+        print(f"fulltune: {why}: saving a checkpoint at the end of this step (deadline {self.deadline_seconds} s)", flush=True)
+        self.deadline = threading.Timer(self.deadline_seconds, self._give_up, args=(f"stop deadline of {self.deadline_seconds} s passed",))
+        self.deadline.daemon = True
+        self.deadline.start()
+
+    def _give_up(self, why: str) -> None:
+        self._leave(StopAbandoned.exit_code, f"{why}; a retry resumes from the last committed checkpoint")
+
+    def _leave(self, code: int, why: str) -> None:
+        message = f"exit {code}: {why}"
+        print(f"fulltune: {message}", flush=True)
+        write_termination_message(message)
+        record_exit(code)
+        os._exit(code)  # from a signal handler or timer thread: no clean-up can be trusted to finish in time
+
+    def on_save(self, args, state, control, **kwargs):
+        """After CommitCheckpoints (an earlier callback): once the stop's checkpoint counts, the deadline no longer
+        applies (writing the run report or closing the MLflow run never turns a committed stop into 76)."""
+        if self.requested:
+            self.committed = True
+            if self.deadline is not None:
+                self.deadline.cancel()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if ranks.any_rank(self.requested) and not self.requested:  # another node was told to stop: stop here too
+            self._on_stop(f"a stop signal on another rank at step {state.global_step}")
+        if self.requested:
+            control.should_save = True
+            control.should_evaluate = False
+            control.should_training_stop = True
+        return control
+
+
+def end_with_the_launcher(every_seconds: float = 1.0) -> None:
+    """Exit when entrypoint.py is gone (killed alone, e.g. `kill -9` outside a container).
+
+    It holds the volume's lease (trainer/launch/lease.py); a training process left running without it would go on
+    writing a volume the next job on this machine takes over at once, seeing the lease's holder gone.  The
+    launcher is the parent of torchrun or accelerate, not of this process, so the kernel's parent-death signal
+    cannot say it; polling its pid once a second can.
+    """
+    pid = int(os.environ.get(LAUNCHER_PID) or 0)
+    if not pid:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_seconds)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                print(f"fulltune: the launcher (entrypoint.py, pid {pid}) is gone: stopping without saving, so that no other job finds this one still writing the volume", file=sys.stderr, flush=True)
+                os._exit(1)
+            except PermissionError:  # alive, under another uid
+                pass
+
+    threading.Thread(target=watch, name="fulltune-launcher-watch", daemon=True).start()

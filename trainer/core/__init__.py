@@ -1,0 +1,1 @@
+"""The contract read before torch: settings, the configuration handed over, errors and exit codes, the platform and cluster, the volume, the ranks."""

@@ -1,0 +1,170 @@
+"""What one job runs with: the settings, parsed once by entrypoint.py, plus what follows from them and the
+machine (device, precision), handed to the training process as data.
+
+The training process never reads `FT_*` variables: `launch.py` passes this configuration in one variable,
+`FULLTUNE_CONFIG` (JSON), so every process of a job (and, later, every rank) runs with exactly what was
+validated and logged, even if its environment differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from trainer.core import errors
+from trainer.core import settings as settings_table
+from trainer.core.errors import ConfigError
+from trainer.core.settings import Settings
+
+VARIABLE = "FULLTUNE_CONFIG"
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """How weights are stored and computed, and what that costs per parameter (trainer/model/memory.py, saving)."""
+
+    name: str  # fp32 | bf16-mixed | bf16-sr
+    weight_dtype: str  # torch dtype name of the trained weights
+    compute_dtype: str  # of the matmuls (autocast)
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int  # AdamW exp_avg + exp_avg_sq, always fp32
+    checkpoint_bytes: int  # weights + AdamW states in a checkpoint (fp32: measured 3.0x the fp32 weights)
+    serving_dtype: str  # of the final model's weights: bf16 after bf16 training (half the fp32 master copy)
+
+    @property
+    def bf16(self) -> bool:
+        return self.compute_dtype == "bfloat16"
+
+    @property
+    def autocast_copies(self) -> bool:
+        """bf16-mixed: autocast casts each fp32 weight to bf16 while a forward holds it."""
+        return self.weight_dtype == "float32" and self.bf16
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """bf16 weights updated by trainer/model/optim.py's AdamW with stochastic rounding."""
+        return self.weight_dtype == "bfloat16"
+
+    @property
+    def training_bytes(self) -> int:
+        """Weights, gradients and optimizer states per parameter, before activations."""
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def serving_bytes(self) -> int:
+        return 2 if self.serving_dtype == "bfloat16" else 4
+
+    def dtype(self, which: str = "weight") -> Any:
+        """The torch dtype of the `weight`s, the `compute` or the `serving` weights."""
+        import torch
+
+        return getattr(torch, {"weight": self.weight_dtype, "compute": self.compute_dtype, "serving": self.serving_dtype}[which])
+
+
+PRECISIONS = {
+    p.name: p
+    for p in (
+        Precision("fp32", "float32", "float32", 4, 4, 8, 12, "float32"),
+        Precision("bf16-mixed", "float32", "bfloat16", 4, 4, 8, 12, "bfloat16"),
+        Precision("bf16-sr", "bfloat16", "bfloat16", 2, 2, 8, 10, "bfloat16"),
+    )
+}
+
+
+def resolve_precision(choice: str, cuda: bool, bf16_supported: bool) -> Precision:
+    """FT_PRECISION on this machine.  AdamW states always stay fp32.
+
+    The seed notebook loaded bf16 weights and let AdamW update them in place: at lr 2e-5 most updates
+    are below bf16's resolution and are lost.  bf16-mixed keeps fp32 master weights and runs the matmuls
+    in bf16 autocast (16 B/param: 64 GB for Qwen3-4B before activations).  bf16-sr keeps bf16 weights and
+    gradients and writes each update back with stochastic rounding (trainer/model/optim.py; 12 B/param: 48 GB).
+    """
+    if choice == "auto":
+        return PRECISIONS["bf16-mixed" if cuda and bf16_supported else "fp32"]
+    if choice == "bf16-mixed" and not (cuda and bf16_supported):
+        raise ConfigError("FT_PRECISION=bf16-mixed needs a GPU with bf16 support; use auto or fp32 on this machine")
+    if choice == "bf16-sr" and cuda and not bf16_supported:
+        raise ConfigError("FT_PRECISION=bf16-sr needs a GPU with bf16 support; use auto or fp32 on this GPU")
+    if choice == "bf16-sr" and not cuda:
+        print("fulltune: warning: FT_PRECISION=bf16-sr on CPU: bf16 is several times slower than fp32 there", flush=True)
+    return PRECISIONS[choice]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The settings and what was derived from them once, where the configuration was built."""
+
+    settings: Settings
+    cuda: bool
+    precision: Precision
+    processes_per_node: int = 1  # FT_NUM_PROCESSES, 0 resolved to the visible GPUs (1 on CPU)
+
+    @property
+    def world_size(self) -> int:
+        return self.processes_per_node * self.settings.num_nodes
+
+    @property
+    def run_name(self) -> str:
+        return self.settings.run_name or f"{self.settings.model.rstrip('/')}_full-fine-tuning"
+
+    def fingerprint(self) -> dict[str, str]:
+        """What the checkpoints on a volume belong to: every setting that changes the result, with the
+        precision as resolved on this machine (`auto` means different things on CPU and GPU)."""
+        values = settings_table.changing(self.settings, ("data", "training"))
+        for resolved_here in ("precision", "num_processes", "num_nodes"):
+            del values[resolved_here]
+        fingerprint = {f"FT_{name.upper()}": str(value) for name, value in values.items()} | {"precision": self.precision.name}
+        if self.world_size > 1:  # the global batch grows with the processes (recorded only then: one-process volumes stay as they were)
+            fingerprint["world_size"] = str(self.world_size)
+        return fingerprint
+
+    def to_json(self) -> str:
+        return json.dumps({"settings": dataclasses.asdict(self.settings), "cuda": self.cuda, "precision": self.precision.name, "processes_per_node": self.processes_per_node})
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        data = json.loads(text)
+        return cls(Settings(**data["settings"]), data["cuda"], PRECISIONS[data["precision"]], data["processes_per_node"])
+
+
+def build(settings: Settings, cuda: bool | None = None, bf16_supported: bool | None = None) -> Config:
+    """Derive the job's configuration from validated settings; the device is probed unless given (tests)."""
+    gpus = 0
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        bf16_supported = cuda and torch.cuda.is_bf16_supported()
+        gpus = torch.cuda.device_count() if cuda else 0
+    errors.set_termination_message_path(settings.termination_message_path)
+    check_device_levers(settings, cuda)
+    processes = settings.num_processes or max(gpus, 1)
+    if cuda and gpus and processes > gpus:
+        raise ConfigError(f"FT_NUM_PROCESSES={processes}: only {gpus} GPU(s) are visible on this node (one process per GPU)")
+    return Config(settings, cuda, resolve_precision(settings.precision, cuda, bool(bf16_supported)), processes)
+
+
+def check_device_levers(settings: Settings, cuda: bool) -> None:
+    """Levers this machine cannot run are exit 2 before anything loads, not an ImportError once training starts."""
+    if not settings.liger:
+        return
+    if not cuda:
+        raise ConfigError("FT_LIGER=true needs a GPU (Liger's kernels are Triton kernels); unset it on this machine")
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("FT_LIGER=true needs the liger-kernel package, which this image lacks; pip install liger-kernel in a derived image, or unset FT_LIGER")
+
+
+def handed_over(environ: Mapping[str, str] | None = None) -> Config:
+    """The configuration entrypoint.py built, in the training process."""
+    environ = os.environ if environ is None else environ
+    if VARIABLE not in environ:
+        raise ConfigError(f"{VARIABLE} is not set: start the job with entrypoint.py, which validates the FT_* settings and passes them on")
+    config = Config.from_json(environ[VARIABLE])
+    errors.set_termination_message_path(config.settings.termination_message_path)
+    return config

@@ -1,0 +1,176 @@
+"""Every way the job can end, and the exit code a scheduler sees for it.
+
+Kubernetes `podFailurePolicy`, AWS Batch `evaluateOnExit` and SageMaker read only the exit code, so
+each class says whose fault it was and whether a retry can help.  The README's table of exit codes
+is checked against `EXIT_CODES` by a test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+EXIT_CODES = {
+    0: "Success: the model is saved, registered (unless FT_REGISTERED_MODEL is empty), and the run is finished; also a restart of a job that already finished (nothing runs again).",
+    1: "Unexpected failure: a bug or an infrastructure fault (printed with a traceback), or, within seconds, before anything is downloaded or written and without a traceback: the Hugging Face hub not answering for a hub id in FT_MODEL, FT_DATASET or FT_EVAL_DATASET (the message says how to run offline), or the MLflow server in MLFLOW_TRACKING_URI not answering at start. A retry may help; it resumes from the last committed checkpoint.",
+    2: "Bad configuration or input, found before training, no traceback: an invalid or unknown FT_* value (all reported together, within a second); a choice this machine cannot run (FT_PRECISION=bf16-mixed or bf16-sr without a bf16 GPU, FT_LIGER without a GPU or liger-kernel); a model without a readable config or weights; pickle-only weights without FT_ALLOW_PICKLE_WEIGHTS; a model that needs its own code without FT_TRUST_REMOTE_CODE; a preflight that does not fit GPU memory or the volume (FT_PREFLIGHT=fail); data that cannot be read or has bad rows (FT_BAD_ROWS=fail); a chat template FT_LOSS_ON=assistant cannot mask; checkpoints on the volume from another configuration, or written under FSDP for a job without it (or the reverse); an MLflow URI this MLflow cannot use; a training process started without entrypoint.py. A retry cannot help: fix the named variable, file or row.",
+    3: "The model was trained and saved, but registration in MLflow failed, or the MLflow server did not answer at the end within FT_REGISTRATION_RETRY_SECONDS (the message says where the model is; metrics not sent are kept on the volume). A retry skips training: it sends what was kept, registers and finishes the run.",
+    4: "Out of GPU memory while training. A retry with the same settings cannot help: the message lists what to change.",
+    5: "Training diverged: the logged loss was NaN, infinite or above FT_LOSS_LIMIT for FT_DIVERGENCE_PATIENCE logging steps in a row, or a checkpoint's weights were not finite (that checkpoint is set aside in incomplete/, never committed). Nothing is registered and no final model is saved. A retry with the same settings cannot help: the message names the step and the last good checkpoint; lower FT_LEARNING_RATE, then resume it with FT_ALLOW_CONFIG_CHANGE=true or use a new FT_OUTPUT_DIR.",
+    6: "Volume full: a checkpoint, the final model or another file could not be written to FT_OUTPUT_DIR (no space left, or over quota), no traceback. The message names the volume, its free bytes and about how many the save needed. Every committed checkpoint is kept; a checkpoint cut short is set aside in incomplete/. A retry with the same volume fails again: free space on it (or mount a bigger one), then retry: it resumes from the last committed checkpoint.",
+    7: "Another job holds this volume's lease: a job started on an FT_OUTPUT_DIR where another job is running (its lease, .fulltune/lease.json, is refreshed every FT_LEASE_SECONDS / 3) exits within about that time, before anything is written, no traceback; the message names the other job's host, pid and start time. Also a running job whose lease another job took over after it went FT_LEASE_SECONDS without refreshing it (a stalled volume or a network partition): it stops at once without saving. A retry helps once the other job has ended (its lease is released) or stopped refreshing for FT_LEASE_SECONDS (it is then taken over); or use another FT_OUTPUT_DIR.",
+    75: "Stopped by SIGTERM/SIGINT after committing a checkpoint (a second signal after the commit ends the job at once, still 75). A retry resumes from it.",
+    76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while the training process was starting. A retry resumes from the previous committed checkpoint.",
+}
+
+
+class FulltuneError(Exception):
+    """Base class: the message is written for the user and ends with what to do."""
+
+    exit_code = 1
+    show_traceback = True
+
+
+class ConfigError(FulltuneError):
+    """A setting is invalid or contradicts another one. Retrying cannot help."""
+
+    exit_code = 2
+    show_traceback = False
+
+
+class DataError(FulltuneError):
+    """The dataset cannot be read or has rows that cannot be trained on."""
+
+    exit_code = 2
+    show_traceback = False
+
+
+class HubUnreachable(FulltuneError):
+    """The Hugging Face hub does not answer; a retry helps once it does (or once the settings point at local files)."""
+
+    exit_code = 1
+    show_traceback = False
+
+
+class TrackingUnreachable(FulltuneError):
+    """The MLflow tracking server does not answer at start; a retry helps once it does."""
+
+    exit_code = 1
+    show_traceback = False
+
+
+class RegistrationFailed(FulltuneError):
+    """Training finished and the model is on the volume; only the MLflow registration failed, or the tracking server
+    did not answer at the end (what it did not receive is on the volume for the next attempt)."""
+
+    exit_code = 3
+    show_traceback = True
+
+
+class OutOfMemory(FulltuneError):
+    """The configuration does not fit the accelerator."""
+
+    exit_code = 4
+    show_traceback = False
+
+
+class Diverged(FulltuneError):
+    """The loss or the weights stopped being numbers; the same settings would diverge again."""
+
+    exit_code = 5
+    show_traceback = False
+
+
+class VolumeFull(FulltuneError):
+    """The output volume has no room left for a save; it will not make room by itself, so a retry must wait for a person."""
+
+    exit_code = 6
+    show_traceback = False
+
+
+class VolumeInUse(FulltuneError):
+    """Another job holds the lease on FT_OUTPUT_DIR (trainer/launch/lease.py); a retry helps once it ends or stops refreshing it."""
+
+    exit_code = 7
+    show_traceback = False
+
+
+class Preempted(FulltuneError):
+    """A stop signal arrived; the checkpoint at the current step is committed."""
+
+    exit_code = 75
+    show_traceback = False
+
+
+class StopAbandoned(FulltuneError):
+    """A second signal or the stop deadline cut the final save short."""
+
+    exit_code = 76
+    show_traceback = False
+
+
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+_termination_path: str | None = None  # FT_TERMINATION_MESSAGE_PATH once the settings are parsed
+
+
+def set_termination_message_path(path: str) -> None:
+    global _termination_path
+    _termination_path = path
+
+
+def termination_message_path() -> str | None:
+    """Where Kubernetes (and batch consoles) read the reason a container ended.
+
+    The default is used only where it exists (Kubernetes mounts it into every container), so a run
+    on a laptop as root does not create a file under /dev.  An explicit path is always written.
+    Before the settings are parsed (their own errors), the raw variable is the only source.
+    """
+    path = _termination_path if _termination_path is not None else os.environ.get("FT_TERMINATION_MESSAGE_PATH", DEFAULT_TERMINATION_LOG)
+    if path == DEFAULT_TERMINATION_LOG and not os.path.exists(path):
+        return None
+    return path or None
+
+
+def write_termination_message(message: str) -> None:
+    """Write one line to the termination-message file; never fail the exit path because of it."""
+    path = termination_message_path()
+    if not path:
+        return
+    line = " ".join(message.split())[:4000]  # Kubernetes keeps at most 4096 bytes.
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass  # Not writable outside Kubernetes (e.g. /dev/termination-log on a laptop).
+
+
+EXIT_FILE = "FULLTUNE_EXIT_FILE"  # set by launch.py for several processes: torchrun reports any failure as 1
+LAUNCHER_PID = "FULLTUNE_LAUNCHER_PID"  # set by launch.py: the training processes end with it (trainer/checkpointing/preemption.py)
+
+
+def record_exit(code: int) -> None:
+    """Leave this rank's exit code where launch.py reads it (`<file>.<local rank>`), so the job's code survives torchrun."""
+    path = os.environ.get(EXIT_FILE)
+    if not path:
+        return
+    try:
+        with open(f"{path}.{os.environ.get('LOCAL_RANK', '0')}", "w", encoding="utf-8") as f:
+            f.write(f"{code}\n")
+    except OSError:
+        pass  # the exit code still reaches torchrun
+
+
+def exit_code_for(error: BaseException) -> int:
+    """Map any exception to the documented exit code, print one line, and leave a termination message."""
+    if isinstance(error, FulltuneError):
+        code = error.exit_code
+        message = str(error)
+    elif type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
+        code = OutOfMemory.exit_code
+        message = f"out of GPU memory: {error}"
+    else:
+        code = 1
+        message = f"unexpected {type(error).__name__}: {error}"
+    print(f"fulltune: exit {code}: {message}", file=sys.stderr, flush=True)
+    write_termination_message(f"exit {code}: {message}")
+    return code

@@ -1,0 +1,90 @@
+"""Several training processes (ranks): who does what, and how they agree.
+
+Rank 0 alone writes shared state (the data cache and report, the fingerprint, checkpoint manifests, the final
+model, the MLflow run, the registry); every rank trains on its share of each optimizer step.  With one
+process every function here is a no-op, so the job reads the same either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from trainer.core.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun for every worker
+
+
+def is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def start(config: Any) -> None:
+    """Join the process group (gloo on CPU, NCCL on GPU, through accelerate) with the job's collective timeout,
+    and check that every rank runs the same configuration (each node parsed its own FT_* variables)."""
+    if world_size() == 1:
+        return
+    from accelerate import PartialState
+
+    PartialState(timeout=timedelta(seconds=config.settings.collective_timeout_seconds))
+    shared = dataclasses.replace(config.settings, node_rank=0, termination_message_path="")  # the two settings that are each node's own
+    mine = hashlib.sha256(json.dumps(dataclasses.asdict(shared), sort_keys=True).encode()).hexdigest()
+    ours = gather(mine)
+    if len(set(ours)) > 1:
+        differ = [rank for rank, digest in enumerate(ours) if digest != ours[0]]
+        raise ConfigError(
+            f"ranks {differ} run with other FT_* settings than rank 0: give every node the same settings (only FT_NODE_RANK and FT_TERMINATION_MESSAGE_PATH may differ)"
+        )
+
+
+def gather(value: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    found: list[Any] = [None] * world_size()
+    dist.all_gather_object(found, value)
+    return found
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is true on any (a stop signal that reached one node stops them all at this step)."""
+    if world_size() == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([1.0 if flag else 0.0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def main_first(work: Callable[[], T]) -> T:
+    """Rank 0 does `work` first (e.g. tokenizes and caches the data); the others wait, then do it (reading the cache).
+
+    Unlike accelerate's `main_process_first`, the others are released even when rank 0 fails, and fail the same
+    way on the same input, instead of waiting for the collective timeout.
+    """
+    if world_size() == 1:
+        return work()
+    if is_main():
+        try:
+            return work()
+        finally:
+            barrier()
+    barrier()
+    return work()

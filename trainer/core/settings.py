@@ -1,0 +1,338 @@
+"""The job's settings: one typed, frozen dataclass of `FT_*` environment variables.
+
+`Settings` is the single source for parsing, validation, the README's table of variables, the parameters
+logged to MLflow, and which settings change the result (the data cache key and the resume fingerprint
+are both derived from `changes`).  Every variable is read, then all errors are reported together
+(environs' `eager=False` + `seal()`), before anything heavy is imported.  `load` runs once per job, in
+entrypoint.py; the training process receives the result (trainer/core/config.py), never the environment.
+
+Precedence, highest first:
+  1. an explicit `FT_*` variable;
+  2. what the detected platform provides (SageMaker, Vertex AI, AWS Batch; see `platforms.py`);
+  3. the preset's defaults (`FT_PRESET=demo`);
+  4. the field's default (the reference recipe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from trainer.core.errors import ConfigError
+from trainer.core.volume import Volume
+
+PREFIX = "FT_"
+SECRET_NAME = re.compile(r"TOKEN|PASSWORD|SECRET|CREDENTIAL|API_KEY|ACCESS_KEY|CONNECTION_STRING", re.I)
+CHANGES = ("", "data", "training")  # what a setting changes: nothing of the result, the tokenized data, or the training
+INT_MAX = 2**31 - 1  # the largest integer setting unless its field says otherwise: every count stays a 32-bit integer downstream
+MAX_SEQUENCES_PER_STEP = 2**16  # FT_BATCH_SIZE x FT_GRADIENT_ACCUMULATION_STEPS: the memory plan tries every split of it
+
+
+def setting(default: Any, help: str, *, minimum: float | None = None, maximum: int | None = None, changes: str = "", group: str | None = None) -> Any:  # noqa: A002
+    """A field of `Settings`: its default and what the README says of it.
+
+    `maximum` applies to integers only (default INT_MAX); floats must be finite (no `nan`, `inf`).
+
+    `changes`: "data" when it changes the checked, tokenized data (and so the result), "training" when it
+    changes the computation after that; "" for cadence, paths and speed levers that keep the result.
+    `group` starts a new group of the README's table at this field.
+    """
+    assert changes in CHANGES
+    return dataclasses.field(default=default, metadata={"help": help, "minimum": minimum, "maximum": maximum, "changes": changes, "group": group})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The effective `FT_*` configuration of one job, parsed and validated from the environment."""
+
+    # -- What to train -------------------------------------------------------------------------------
+    preset: Literal["none", "demo"] = setting("none", "`demo` builds a tiny Qwen3 model, tokenizer and chat dataset under `FT_OUTPUT_DIR/demo` (offline, deterministic) and trains on them; any explicit `FT_*` still wins.", group="What to train")
+    model: str = setting("Qwen/Qwen3-4B", "Base model: a Hugging Face hub id or a local folder with `config.json`.", changes="data")
+    model_revision: str = setting("", "Hub revision (branch, tag or commit) to pin; empty = the default branch.", changes="data")
+    trust_remote_code: bool = setting(False, "Run Python code shipped with the model or dataset. Off: only architectures built into transformers load; a model whose `model_type` needs its own code (`auto_map`) exits 2 before anything is downloaded but its config.")
+    allow_pickle_weights: bool = setting(False, "Load a model whose weights exist only as pickle files (`*.bin`, `*.pt`), which can run code when unpickled. Off: weights load from safetensors only, and a model without them exits 2 naming its pickle files, before any weight is read.")
+    dataset: str = setting("trl-lib/Capybara", "Training data: a hub id, a `save_to_disk` folder, local `.jsonl`/`.json`/`.parquet`/`.csv` files, a folder or glob of them, or an `s3://`/`gs://`/`az://` URL.", changes="data")
+    dataset_config: str = setting("", "Hub dataset configuration name; empty = the default one.", changes="data")
+    dataset_split: str = setting("train", "Split to train on.", changes="data")
+    dataset_revision: str = setting("", "Hub dataset revision to pin; empty = the default branch.", changes="data")
+    eval_dataset: str = setting("", "Validation data (same forms as `FT_DATASET`; from a dataset with several splits, `validation`, else `test`). Empty: `FT_DATASET`'s own `test` split when it has one (as the reference recipe; Capybara's 200 rows), else `FT_EVAL_FRACTION` of the training rows.", changes="data")
+    eval_fraction: float = setting(0.1, "Share of the checked training rows held out for validation when `FT_EVAL_DATASET` is empty and `FT_DATASET` has no `test` split (seed `FT_SEED`, as the reference recipe); 0 = no validation: nothing is evaluated and the final model is the last step's, not the best by eval loss.", minimum=0.0, changes="data")
+    data_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "text"] = setting("auto", "Row format (see the README's \"Your data\"): `messages` (role/content), `sharegpt` (`conversations` of from/value), `prompt_completion`, or `text`; `auto` detects it from the columns.", changes="data")
+    bad_rows: Literal["fail", "skip"] = setting("fail", "Rows that cannot be trained on (unknown role, empty reply, bad JSON, ...): `fail` exits 2 listing them with their reasons; `skip` leaves them out (counted per reason, logged to MLflow). Either way they are listed in `FT_OUTPUT_DIR/data-report.txt`.", changes="data")
+    loss_on: Literal["all", "assistant"] = setting("all", "Tokens that carry loss: `all` (the reference recipe) or `assistant`: only the assistant's replies and their end-of-turn token (works with Qwen3's stock template; other templates need `{% generation %}` markers).", changes="data")
+    max_length: int = setting(4096, "Longest training sequence in tokens. 4096 keeps Qwen3-4B within an 80 GB H100 with activation checkpointing.", minimum=16, changes="data")
+    truncation: Literal["truncate", "drop"] = setting("truncate", "Rows longer than `FT_MAX_LENGTH`: cut at the limit, or leave out (both counted).", changes="data")
+    data_cache: bool = setting(True, "Keep the checked, tokenized data under `FT_OUTPUT_DIR/.fulltune/data-cache/`, keyed by data source, tokenizer and data settings, so a restart skips checking and tokenizing.")
+    # -- Optimisation --------------------------------------------------------------------------------
+    max_steps: int = setting(50, "Optimizer steps to train.", minimum=1, changes="training", group="Optimisation")
+    learning_rate: float = setting(2e-05, "Peak learning rate of AdamW.", minimum=0.0, changes="training")
+    lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = setting("linear", "Learning-rate schedule after warm-up.", changes="training")
+    warmup_steps: int = setting(10, "Linear warm-up steps.", minimum=0, changes="training")
+    weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0, changes="training")
+    max_grad_norm: float = setting(1.0, "Gradient clipping norm; 0 = no clipping.", minimum=0.0, changes="training")
+    divergence_patience: int = setting(3, "Stop the job (exit 5) when the logged training loss is NaN, infinite or above `FT_LOSS_LIMIT` at this many logging steps in a row; 0 = never stop for the loss. Either way a checkpoint whose weights are not finite is never committed (exit 5).", minimum=0)
+    loss_limit: float = setting(0.0, "A logged training loss above this counts towards `FT_DIVERGENCE_PATIENCE`; 0 = only NaN and infinite losses do.", minimum=0.0)
+    batch_size: int = setting(1, "Sequences per forward pass as the recipe states it; with `FT_BATCH_LAYOUT=auto` only the product with `FT_GRADIENT_ACCUMULATION_STEPS` (sequences per optimizer step) is kept, and the passes are regrouped to fill the device.", minimum=1, changes="training")
+    gradient_accumulation_steps: int = setting(8, "Forward passes per optimizer step; effective batch = batch size × this.", minimum=1, changes="training")
+    seed: int = setting(42, "Seed for the split, the data order and initialisation.", minimum=0, maximum=2**32 - 1, changes="data")  # numpy's seed range
+    # -- Evaluation and checkpoints ------------------------------------------------------------------
+    eval_steps: int = setting(25, "Evaluate every N optimizer steps.", minimum=1, group="Evaluation and checkpoints")
+    eval_batch_size: int = setting(1, "Sequences per evaluation forward pass.", minimum=1)
+    save_steps: int = setting(25, "Commit a checkpoint every N optimizer steps. Must be a multiple of `FT_EVAL_STEPS` (the best model is chosen by eval loss at save time).", minimum=1)
+    save_total_limit: int = setting(2, "Committed checkpoints to keep (the best one is kept as well).", minimum=1)
+    early_stopping_patience: int = setting(0, "Stop training once eval loss has not improved for this many evaluations in a row (transformers' `EarlyStoppingCallback`); the job still exits 0 and the final model is the best checkpoint. 0 = train all `FT_MAX_STEPS`.", minimum=0)
+    eval_samples: int = setting(4, "Validation prompts answered at step 0 (the base model) and after every evaluation, greedily, the same ones each time (chosen with `FT_SEED`); the answers go to `FT_OUTPUT_DIR/eval-samples.jsonl` and the MLflow run's `eval_samples.json` table. 0 = none. All prompts go through one left-padded greedy `generate` call: 0.2-0.3 s per evaluation on CPU for the demo (4 prompts, 16 tokens; its evaluation takes 2.5 s), estimated 3-5 s for Qwen3-4B on an H100 at 128 tokens (128 decoding steps of 25-35 ms) against 20-40 s for evaluating Capybara's 200 validation rows.", minimum=0)
+    eval_sample_tokens: int = setting(128, "Most new tokens per sample answer (an answer also ends at the end-of-turn token).", minimum=1)
+    logging_steps: int = setting(10, "Log loss, learning rate and throughput every N optimizer steps.", minimum=1)
+    output_dir: str = setting("/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.")
+    # -- Hardware ------------------------------------------------------------------------------------
+    precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = setting("auto", "`bf16-mixed`: fp32 master weights and optimizer, bf16 compute (no update is lost). `auto`: bf16-mixed on a bf16-capable GPU, fp32 on CPU (bf16 on CPU is 7-25x slower). `bf16-sr` (opt-in until measured on GPU): bf16 weights and gradients, fp32 AdamW states, each update written back to the weights with stochastic rounding (trainer/model/optim.py; `FT_OPTIMIZER` does not apply): 12 B/param instead of 16 (48 GB instead of 64 for Qwen3-4B) and 10 B/param checkpoints instead of 12; on the demo model at lr 2e-5 it applies 100 % of the fp32 run's update in expectation where round-to-nearest applies 27 %, and its losses are within 0.1 % of fp32 (bench/RESULTS.md). Allowed on CPU, slowly.", changes="training", group="Hardware")
+    activation_checkpointing: Literal["auto", "full", "selective", "off"] = setting("auto", "Recompute activations in the backward pass instead of keeping them (non-reentrant; transformers' `every_n_layers`). `full`: every decoder layer; `selective`: only every n-th layer, n as large as the memory plan (trainer/model/memory.py) fits (every 2nd without a device limit); `auto`: the least recomputation that fits: none, selective, or full; never on CPU.")
+    # -- Throughput ----------------------------------------------------------------------------------
+    batch_layout: Literal["auto", "as-set"] = setting("auto", "`auto`: each optimizer step still trains on `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` sequences in the same order (same loss, same updates), but in as few forward passes as the memory plan fits (one on CPU). `as-set`: exactly `FT_BATCH_SIZE` sequences per pass, as TRL does.", group="Throughput")
+    padding_free: Literal["auto", "on", "off"] = setting("auto", "Concatenate the sequences of a forward pass into one row without padding (TRL `padding_free`; each sequence still attends only to itself, through `position_ids`). `auto`: on (measured 2.3x the padded tokens/s on CPU, bench/RESULTS.md); attention runs per sequence (trainer/model/attention.py) unless the model uses FlashAttention.")
+    optimizer: Literal["auto", "adamw_torch", "adamw_torch_fused"] = setting("auto", "AdamW implementation; the update is the same. `auto`: the fused kernel (one launch for all parameters) on GPU, the loop on CPU.")
+    compile: bool = setting(False, "`torch.compile` the model. Off until measured on the target GPU: the first steps compile for minutes.")
+    liger: bool = setting(False, "Liger Triton kernels for RMSNorm, SwiGLU and RoPE (needs the `liger-kernel` package and a GPU; without either, exit 2 at start). The loss never materialises the full logits either way: TRL computes it in chunks.")
+    eval_max_samples: int = setting(0, "Evaluate on at most this many validation rows (the first ones of the split, always the same); 0 = all of them.", minimum=0)
+    dataloader_workers: int = setting(0, "Background processes that collate batches; 0 = in the training process. Rows are tokenized up front, so a step's batch takes ~3 ms to build in-process and ~5.5 ms to receive from 2 workers (bench/dataloader.py), against ~0.55 s for a Qwen3-4B step.", minimum=0, maximum=256)
+    preflight: Literal["fail", "warn", "off"] = setting("fail", "Before loading weights: estimate peak GPU memory from the model config and check the volume has room for the checkpoints. `fail`: exit 2 with the breakdown and the settings that would fit; `warn`: print it and go on.")
+    gpu_memory_gb: float = setting(0.0, "GPU memory the plan must fit, in GB; 0 = what the device reports. Set it to plan for a smaller card than the one at hand.", minimum=0.0)
+    # -- Tracking and registry -----------------------------------------------------------------------
+    registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog); empty = do not register.", group="Tracking and registry")
+    run_name: str = setting("", "MLflow run name; empty = `<model>_full-fine-tuning`.")
+    system_metrics: bool = setting(True, "Log CPU/GPU/memory system metrics to the MLflow run.")
+    registration_retry_seconds: int = setting(600, "How long the end of the job waits for an MLflow server that does not answer: the metrics held back during an outage, the registration (retried after 5 s, doubling to 60 s) and the run's final status. Past it the job exits 3 with the model kept and what was not sent saved on the volume; running the job again sends it and registers, without training. 0 = one try.", minimum=0)
+    # -- Operations ----------------------------------------------------------------------------------
+    platform: Literal["auto", "none", "sagemaker", "vertex", "aws-batch", "azureml"] = setting("auto", "Batch platform whose variables fill in unset `FT_*` settings; `auto` detects it, `none` ignores them.", group="Operations")
+    stop_deadline_seconds: int = setting(270, "After SIGTERM/SIGINT the job finishes the current optimizer step and commits a checkpoint; past this many seconds it gives up (exit 76). Keep it below the platform's grace period (the Kubernetes Job: 300 s; on SageMaker, which allows 120 s, it defaults to 100).", minimum=1)
+    allow_config_change: bool = setting(False, "Resume checkpoints on the volume even though model, data or hyperparameters changed since they were written.")
+    lease_seconds: int = setting(60, "A running job holds a lease on `FT_OUTPUT_DIR` (`.fulltune/lease.json`, rewritten every third of this); a job started on the same volume meanwhile exits 7 within about a third of this, naming the first one's host, pid and start time. A lease that has not changed for this long (or for the holder's own setting, if longer) belongs to a job that is gone and is taken over; one left by a process that is gone from this same machine is taken over at once. Keep it above the longest time the volume may stall writes (a job that could not refresh its lease for this long can lose it to a new job; it then stops without saving, exit 7).", minimum=3)
+    termination_message_path: str = setting("/dev/termination-log", "File that receives a one-line reason on every non-zero exit (read by Kubernetes); empty = none.")
+    # -- Scaling out ---------------------------------------------------------------------------
+    num_processes: int = setting(0, "Training processes on this node, one per GPU; 0 = every visible GPU (1 on CPU). More than one (or `FT_NUM_NODES` > 1) launches through torchrun as `accelerate launch --multi_gpu` does; the effective batch becomes `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` × processes in all.", minimum=0, changes="training", group="Scaling out")
+    distributed: Literal["auto", "none", "ddp", "fsdp"] = setting("auto", "How several processes share the model. `ddp`: each holds the whole model, gradients are averaged; `fsdp`: FSDP2 full sharding, each decoder layer wrapped, weights, gradients and AdamW states divided by the number of processes; `auto`: none for one process, else `ddp` when the memory plan fits a whole model per GPU, else `fsdp`.")
+    num_nodes: int = setting(1, "Machines (pods) training together; each runs this image with the same settings and its own `FT_NODE_RANK`. Filled in from Kubeflow Trainer's `PET_NNODES`, or `WORLD_SIZE` (PyTorchJob, Volcano). Needs a volume every node mounts (ReadWriteMany).", minimum=1, changes="training")
+    node_rank: int = setting(0, "This machine's index, 0 to `FT_NUM_NODES` - 1; node 0 hosts rank 0, which logs, commits checkpoints and saves the model. Filled in from `PET_NODE_RANK`, `RANK` (PyTorchJob, Volcano) or an Indexed Job's `JOB_COMPLETION_INDEX`.", minimum=0)
+    master_addr: str = setting("", "Host name or address of node 0 (rendezvous); empty = this machine (one node). Filled in from `PET_MASTER_ADDR` or `MASTER_ADDR`; for an Indexed Job use its pod host name, `<job>-0.<headless service>`.")
+    master_port: int = setting(29500, "Port of the rendezvous on node 0. Filled in from `PET_MASTER_PORT` or `MASTER_PORT`.", minimum=1)
+    collective_timeout_seconds: int = setting(1800, "How long a rank waits in a collective (all-reduce, barrier) before the job fails: longer than the slowest save of a checkpoint or an evaluation on rank 0, which the others wait for (NCCL's watchdog would otherwise kill a healthy job; torchtune #2093, accelerate #3250).", minimum=60)
+    # Not a variable: which platform's variables filled in unset settings (`platforms.py`), for the logs.
+    detected_platform: str = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the README's table: a `Settings` field seen as an environment variable."""
+
+    name: str  # the field name, e.g. max_steps
+    kind: type | tuple[str, ...]  # int, float, bool, str, or the allowed values
+    default: Any
+    help: str
+    group: str
+    minimum: float | None
+    changes: str
+    maximum: int | None = None  # integers only
+
+    @property
+    def env_name(self) -> str:
+        return PREFIX + self.name.upper()
+
+    @property
+    def allowed(self) -> str:
+        """What a valid value looks like, for error messages."""
+        if isinstance(self.kind, tuple):
+            return "one of " + ", ".join(self.kind)
+        floor = f" >= {self.minimum:g}" if self.minimum is not None else ""
+        ceiling = f" and <= {self.maximum}" if self.maximum is not None else ""
+        return {int: f"an integer{floor}{ceiling}", float: f"a finite number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
+
+    @property
+    def type_name(self) -> str:
+        if isinstance(self.kind, tuple):
+            return " \\| ".join(f"`{c}`" for c in self.kind)
+        return self.kind.__name__
+
+
+def _table() -> tuple[Setting, ...]:
+    hints = typing.get_type_hints(Settings)
+    rows, group = [], ""
+    for f in dataclasses.fields(Settings):
+        if "help" not in f.metadata:
+            continue
+        group = f.metadata["group"] or group
+        kind = hints[f.name]
+        kind = typing.get_args(kind) if typing.get_origin(kind) is Literal else kind
+        maximum = (f.metadata["maximum"] or INT_MAX) if kind is int else None
+        rows.append(Setting(f.name, kind, f.default, f.metadata["help"], group, f.metadata["minimum"], f.metadata["changes"], maximum))
+    return tuple(rows)
+
+
+TABLE = _table()
+BY_ENV_NAME = {s.env_name: s for s in TABLE}
+
+
+def preset_defaults(preset: str, output_dir: str) -> dict[str, str]:
+    """Defaults a preset changes; explicit variables still override them."""
+    if preset != "demo":
+        return {}
+    demo = Volume(output_dir).demo
+    return {
+        "FT_MODEL": os.path.join(demo, "model"),
+        "FT_DATASET": os.path.join(demo, "data", "train.jsonl"),
+        "FT_MAX_STEPS": "40",
+        "FT_LEARNING_RATE": "1e-3",
+        "FT_WARMUP_STEPS": "4",
+        "FT_BATCH_SIZE": "4",
+        "FT_GRADIENT_ACCUMULATION_STEPS": "2",
+        "FT_EVAL_STEPS": "20",
+        "FT_SAVE_STEPS": "20",
+        "FT_LOGGING_STEPS": "5",
+        "FT_EVAL_BATCH_SIZE": "16",
+        "FT_MAX_LENGTH": "256",
+        "FT_REGISTERED_MODEL": "demo.default.tiny_qwen3_assistant",
+        "FT_EVAL_SAMPLE_TOKENS": "16",  # the longest demo answer is 13 tokens with its end-of-turn token
+    }
+
+
+def load(environ: Mapping[str, str] | None = None) -> Settings:
+    """Parse and validate every `FT_*` variable; raise one ConfigError listing all problems."""
+    from environs import EnvValidationError
+    from marshmallow.validate import OneOf, Range
+
+    from trainer.core import cluster, platforms
+
+    environ = dict(os.environ if environ is None else environ)
+    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in BY_ENV_NAME)
+    platform, platform_env = platforms.detect(environ)  # honours FT_PLATFORM itself
+    _, cluster_env = cluster.detect(environ)
+    layered = {**platform_env, **cluster_env, **environ}
+    preset = layered.get("FT_PRESET", "none")
+    output_dir = layered.get("FT_OUTPUT_DIR", "/output")
+    layered = {**platform_env, **cluster_env, **preset_defaults(preset, output_dir), **environ}
+
+    env = _layered_env(layered)
+    values = {}
+    for s in TABLE:
+        key = s.name.upper()
+        if isinstance(s.kind, tuple):
+            values[s.name] = env.str(key, s.default, validate=OneOf(s.kind, error="not a valid choice"))
+        else:
+            bounded = s.minimum is not None or s.maximum is not None
+            validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
+            parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]  # env.float refuses nan and inf
+            values[s.name] = parse(key, s.default, validate=validate)
+    problems: dict[str, str] = {}
+    try:
+        env.seal()
+    except EnvValidationError as error:
+        for name, messages in error.error_messages.items():
+            problems[name] = "; ".join(str(m).rstrip(".") for m in messages) + f" (allowed: {BY_ENV_NAME[name].allowed})"
+    for name in unknown:
+        problems[name] = "is not a fulltune setting (see the README's table of variables)"
+    if not problems:
+        problems.update(_cross_checks(values))
+        values = {k: v + 0.0 if isinstance(v, float) else v for k, v in values.items()}  # -0 is 0: the same fingerprint, the same params
+    if problems:
+        lines = [f"  {name}={_shown(name, layered.get(name))!s}: {why}" for name, why in sorted(problems.items())]
+        raise ConfigError(f"{len(problems)} invalid setting(s):\n" + "\n".join(lines))
+    return Settings(**values, detected_platform=platform)
+
+
+def _layered_env(values: Mapping[str, str]) -> Any:
+    from environs import Env
+
+    class LayeredEnv(Env):
+        """environs reads `os.environ`; this reads the layered values (platform < preset < explicit) instead,
+        so parsing neither changes nor depends on the process environment (environs 15's `_get_value`)."""
+
+        def _get_value(self, env_key: str, default: Any) -> Any:
+            return values.get(env_key, default)
+
+    return LayeredEnv(prefix=PREFIX, eager=False)
+
+
+def _cross_checks(values: dict[str, Any]) -> dict[str, str]:
+    """Rules that involve two settings; each names the variable to change."""
+    problems = {}
+    if values["save_steps"] % values["eval_steps"]:
+        problems["FT_SAVE_STEPS"] = f"must be a multiple of FT_EVAL_STEPS={values['eval_steps']} so every checkpoint has an eval loss for picking the best model"
+    if values["batch_size"] * values["gradient_accumulation_steps"] > MAX_SEQUENCES_PER_STEP:
+        problems["FT_BATCH_SIZE"] = f"times FT_GRADIENT_ACCUMULATION_STEPS={values['gradient_accumulation_steps']} must be at most {MAX_SEQUENCES_PER_STEP} sequences per optimizer step"
+    if not 0.0 <= values["eval_fraction"] < 1.0:
+        problems["FT_EVAL_FRACTION"] = "must be >= 0 and < 1"
+    if not values["output_dir"].strip():
+        problems["FT_OUTPUT_DIR"] = "must name a folder (the mounted volume)"
+    if not values["model"].strip():
+        problems["FT_MODEL"] = "must name a hub id or a local folder"
+    if not values["dataset"].strip():
+        problems["FT_DATASET"] = "must name a hub id, a folder or files"
+    if values["node_rank"] >= values["num_nodes"]:
+        problems["FT_NODE_RANK"] = f"must be below FT_NUM_NODES={values['num_nodes']} (nodes are numbered from 0)"
+    if values["num_nodes"] > 1 and not values["master_addr"].strip():
+        problems["FT_MASTER_ADDR"] = "must name node 0 (its host name or address) when FT_NUM_NODES > 1"
+    name = values["registered_model"]
+    if name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
+        problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"
+    return problems
+
+
+def _shown(name: str, value: str | None) -> str:
+    if value is None:
+        return "<unset>"
+    if SECRET_NAME.search(name):
+        return "****"
+    return repr(value)
+
+
+def as_params(settings: Settings) -> dict[str, str]:
+    """The effective configuration as MLflow params: every FT_* value, nothing else (no setting holds a secret:
+    tokens and passwords come through their own libraries' variables, HF_TOKEN, MLFLOW_TRACKING_PASSWORD)."""
+    params = {s.env_name: str(getattr(settings, s.name)) for s in TABLE}
+    params["detected_platform"] = settings.detected_platform
+    return params
+
+
+def changing(settings: Settings, what: tuple[str, ...]) -> dict[str, Any]:
+    """The values of the settings whose `changes` is in `what`: the data cache key takes ("data",), the
+    resume fingerprint ("data", "training")."""
+    return {s.name: getattr(settings, s.name) for s in TABLE if s.changes in what}
+
+
+def readme_table() -> str:
+    """The README's table of variables, generated from TABLE (a test keeps them in sync).
+
+    "Changes the result": a changed value makes checkpoints on the volume belong to another computation
+    (resuming them exits 2 unless FT_ALLOW_CONFIG_CHANGE); "yes (data)" also re-tokenizes the data."""
+    out, group = [], None
+    for s in TABLE:
+        if s.group != group:
+            group = s.group
+            out += ["", f"**{group}**", "", "| Variable | Type | Default | Changes the result | Meaning |", "|---|---|---|---|---|"]
+        default = "*(empty)*" if s.default == "" else f"`{s.default}`"
+        changes = {"": "no", "data": "yes (data)", "training": "yes"}[s.changes]
+        out.append(f"| `{s.env_name}` | {s.type_name} | {default} | {changes} | {s.help} |")
+    return "\n".join(out).strip() + "\n"
+
+
+def update_readme(path: str = "README.md") -> None:
+    """Rewrite the README's generated tables: `python -m trainer.settings`."""
+    from trainer.core.errors import EXIT_CODES
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    codes = "| Code | Meaning |\n|---|---|\n" + "".join(f"| {code} | {meaning} |\n" for code, meaning in EXIT_CODES.items())
+    for marker, body in (("settings", readme_table()), ("exit-codes", codes)):
+        start, end = f"<!-- {marker}:start -->\n", f"<!-- {marker}:end -->"
+        head, rest = text.split(start)
+        text = head + start + body + end + rest.split(end, 1)[1]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    update_readme()

@@ -1,0 +1,102 @@
+"""FT_PRESET=demo: a tiny Qwen3 model, tokenizer and chat dataset, built offline and deterministically.
+
+The task (reverse the user's list of words) can only be solved by attending to the user turn, so a
+model that learns it proves the data path end to end: template, masking, labels, saving, loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+from trainer.core.volume import Volume, staged
+
+WORDS = (
+    "apple river stone cloud tiger maple ocean piano rocket silver garden winter "
+    "lemon castle forest candle desert violet copper falcon harbor meadow thunder pepper"
+).split()
+DEMO_TEMPLATE = (  # ChatML, the layout Qwen3 uses, without the thinking block
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def reversal_conversation(rng: random.Random) -> dict:
+    words = rng.sample(WORDS, rng.randint(3, 6))
+    messages = [
+        {"role": "user", "content": "Reverse: " + " ".join(words)},
+        {"role": "assistant", "content": " ".join(reversed(words))},
+    ]
+    if rng.random() < 0.2:
+        messages.insert(0, {"role": "system", "content": "You reverse lists of words."})
+    return {"messages": messages}
+
+
+def conversations(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [reversal_conversation(rng) for _ in range(n)]
+
+
+def build_tokenizer(texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=DEMO_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+def build_model(vocab_size: int, pad_token_id: int, eos_token_id: int):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def ensure_demo(output_dir: str, rows: int = 2000) -> str:
+    """Build the volume's demo folder once (model, tokenizer, data/train.jsonl); later calls reuse it."""
+    demo = Volume(output_dir).demo
+    if os.path.exists(os.path.join(demo, "COMPLETE")):
+        return demo
+    data = conversations(rows, seed=1234)
+    texts = [m["content"] for row in data for m in row["messages"]]
+    tokenizer = build_tokenizer(texts + ["system user assistant"])
+    model = build_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    with staged(demo) as partial:  # a half-built demo from an interrupted start is rebuilt
+        model.save_pretrained(os.path.join(partial, "model"))
+        tokenizer.save_pretrained(os.path.join(partial, "model"))
+        os.makedirs(os.path.join(partial, "data"))
+        with open(os.path.join(partial, "data", "train.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in data)
+        with open(os.path.join(partial, "COMPLETE"), "w") as f:
+            f.write("ok\n")
+    return demo

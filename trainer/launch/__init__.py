@@ -1,0 +1,1 @@
+"""The launcher: the training processes under accelerate, stop signals, the volume's lease."""

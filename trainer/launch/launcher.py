@@ -1,0 +1,165 @@
+"""Start the training process through accelerate, hand it the job's configuration, and supervise it.
+
+accelerate's own `simple_launcher` turns every non-zero exit into 1 (or a CalledProcessError) and
+does not forward signals, which would break the exit-code contract (75 = resume, 2 = do not retry)
+and the save-on-SIGTERM path.  So we let accelerate build the command and environment
+(`prepare_simple_launcher_cmd_env`) and run the process ourselves.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trainer.core import errors
+from trainer.core.config import VARIABLE
+from trainer.core.errors import StopAbandoned, write_termination_message
+
+
+class StopForwarder:
+    """Catches SIGTERM/SIGINT from the very start of entrypoint.py and forwards them to the training process.
+
+    Installed before any slow import, so that a stop while torch loads is never lost: it is answered
+    with exit 76 (nothing new was saved) instead of Python's default death by signal.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.child: subprocess.Popen | None = None
+        self.group = False  # the child leads a process group (torchrun and its workers)
+        self.abandoned = False
+        self.ended = False  # ended by end_now: the volume is no longer this job's to write
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._forward)
+
+    def _forward(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+        if self.child is None:
+            return
+        if self.group and len(self.received) > 1:
+            # torchrun forwards one signal only; a second one means "give up the save": end every worker now.
+            # The checkpoint being written has no manifest, so the last committed one stays the one to resume.
+            self.abandoned = True
+            os.killpg(self.child.pid, signal.SIGKILL)
+            return
+        self.child.send_signal(signum)  # the child saves a checkpoint and exits 75 (see trainer/checkpointing/preemption.py)
+
+    def end_now(self) -> None:
+        """End the training process at once, without a save: another job has taken over the volume (trainer/launch/lease.py)."""
+        self.ended = True
+        if self.child is not None and self.child.poll() is None:
+            if self.group:
+                os.killpg(self.child.pid, signal.SIGKILL)
+            else:
+                self.child.kill()
+
+
+def accelerate_command(use_cpu: bool) -> tuple[list[str], dict[str, str]]:
+    """The command and environment `accelerate launch` would use for one process running `-m trainer`."""
+    from accelerate.commands.launch import launch_command_parser, prepare_simple_launcher_cmd_env
+
+    argv = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    argv += ["--cpu"] if use_cpu else []
+    args = launch_command_parser().parse_args([*argv, "-m", "trainer"])
+    cmd, env = prepare_simple_launcher_cmd_env(args)
+    _keep_thread_count(env)
+    return cmd, env
+
+
+def _keep_thread_count(env: dict[str, str]) -> None:
+    """accelerate writes the thread count it was given, str(None) when none was (libgomp then complains and
+    falls back): the training processes keep the caller's OMP_NUM_THREADS, or their launcher's default."""
+    env.pop("OMP_NUM_THREADS", None)
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+
+
+def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
+    """Several processes: the torchrun command and environment `accelerate launch --multi_gpu` would use.
+
+    accelerate runs torchrun inside its own process (`multi_gpu_launcher`) and on CPU falls back to MPI; we take
+    its environment (`prepare_multi_gpu_env`) and its argument mapping (`_filter_args`) and run torchrun as our
+    child, for the same reason as above.  torchrun forwards SIGTERM to every worker once, and waits for them
+    `--shutdown-timeout` seconds (the stop deadline and some) before it kills them.
+    """
+    import torch.distributed.run as torchrun
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils.launch import _filter_args, prepare_multi_gpu_env
+
+    s = config.settings
+    argv = ["--multi_gpu", "--num_processes", str(config.world_size), "--num_machines", str(s.num_nodes), "--machine_rank", str(s.node_rank)]
+    argv += ["--main_process_ip", s.master_addr or "127.0.0.1", "--main_process_port", str(s.master_port), "--same_network"]
+    argv += ["--mixed_precision", "no", "--dynamo_backend", "no", "--max_restarts", "0", "-m", "trainer"]
+    args = launch_command_parser().parse_args(argv)
+    env = prepare_multi_gpu_env(args)  # also sets nproc_per_node, nnodes, node_rank, master_addr/port on `args`
+    _keep_thread_count(env)  # torchrun then gives each process 1 thread unless the caller chose
+    if s.num_nodes == 1:  # one node: rank 0 is here, whatever FT_MASTER_ADDR says
+        args.master_addr = "127.0.0.1"
+    chosen = vars(_filter_args(args, torchrun.get_args_parser(), ["--training_script", "trainer"]))
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    for name in ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "max_restarts"):
+        if chosen.get(name) not in (None, ""):
+            cmd.append(f"--{name}={chosen[name]}")
+    cmd += [f"--shutdown_timeout={s.stop_deadline_seconds + 30}", "--signals_to_handle=SIGTERM,SIGINT", "--module", "trainer"]
+    return cmd, env
+
+
+def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
+    """Run the job in a child process with `config` (trainer/core/config.py), forward stop signals, return its exit code."""
+    several = config.world_size > 1
+    cmd, env = torchrun_command(config) if several else accelerate_command(use_cpu=not config.cuda)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding trainer/: `-m trainer` resolves from any working directory
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env[VARIABLE] = config.to_json()  # the child runs with what was validated here, not with its own reading of FT_*
+    outcome = tempfile.mkdtemp(prefix="fulltune-exit-")
+    env[errors.LAUNCHER_PID] = str(os.getpid())
+    env[errors.EXIT_FILE] = os.path.join(outcome, "rank")  # each local rank leaves its exit code there (torchrun reports only 1)
+    returncode = 0
+    if not stops.received and not stops.ended:
+        stops.group = several
+        stops.child = subprocess.Popen(cmd, env=env, start_new_session=several)  # several: its own group, to end the whole tree
+        if stops.ended:  # between the check above and here
+            stops.end_now()
+        returncode = stops.child.wait()
+    if several:
+        returncode = _job_exit_code(outcome, returncode)
+    shutil.rmtree(outcome, ignore_errors=True)
+    if stops.ended:
+        return returncode  # the caller says why (trainer/launch/lease.py)
+    if stops.abandoned:
+        return _report(StopAbandoned.exit_code, "second stop signal before the checkpoint was committed; a retry resumes from the last committed checkpoint")
+    if stops.received and (stops.child is None or -returncode in stops.received):
+        # The stop came before the training process had installed its handler: nothing new was
+        # saved, the committed checkpoints are intact, and a retry resumes from them.
+        why = f"stopped by {signal.Signals(stops.received[0]).name} while starting; a retry resumes from the last committed checkpoint"
+        return _report(StopAbandoned.exit_code, why)
+    if returncode < 0:  # killed by a signal we did not send (e.g. SIGKILL from the kernel's OOM killer)
+        return _report(128 - returncode, f"training process killed by {signal.Signals(-returncode).name} (out of host memory?)")
+    return returncode
+
+
+def _job_exit_code(folder: str, torchrun_code: int) -> int:
+    """The job's code as this node's ranks recorded it (local rank 0's, unless it succeeded and another failed),
+    else torchrun's own (1 when a worker failed without recording, e.g. killed)."""
+    codes = {}
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            codes[int(name.rsplit(".", 1)[1])] = int(f.read().strip() or 1)
+    failures = [code for _, code in sorted(codes.items()) if code]
+    if codes.get(0):
+        return codes[0]
+    if failures:
+        return failures[0]
+    return torchrun_code
+
+
+def _report(code: int, why: str) -> int:
+    print(f"fulltune: exit {code}: {why}", file=sys.stderr, flush=True)
+    write_termination_message(f"exit {code}: {why}")
+    return code

@@ -1,0 +1,94 @@
+"""Tokenizer and model: loading, chat template, padding, and what the model is (family, size)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from trainer.core.config import Precision
+from trainer.core.errors import ConfigError
+from trainer.core.settings import Settings
+
+# ChatML, as trl.setup_chat_format(format="chatml") used to add it (removed in TRL 1.x).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def hub_kwargs(settings: Settings) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": settings.trust_remote_code}
+    if settings.model_revision:
+        kwargs["revision"] = settings.model_revision
+    return kwargs
+
+
+def read_config(settings: Settings) -> Any:
+    """The model's config alone (a few KB): enough to plan memory before downloading weights."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(settings.model, **hub_kwargs(settings))
+    except (OSError, ValueError) as error:
+        if os.path.isdir(settings.model) or settings.model.startswith(("/", "./")):
+            raise ConfigError(f"FT_MODEL={settings.model!r}: cannot read a model config there ({error})") from error
+        raise
+
+
+def load_tokenizer(settings: Settings) -> Any:
+    """Load the tokenizer; add ChatML only when it has no chat template; pad = EOS when missing."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.model, **hub_kwargs(settings))
+    if not tokenizer.chat_template:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tokenizer.chat_template = CHATML_TEMPLATE
+        tokenizer.eos_token = "<|im_end|>"
+        print("fulltune: the tokenizer has no chat template: added ChatML", flush=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(settings: Settings, tokenizer: Any, precision: Precision) -> Any:
+    """Load the weights in the precision's weight dtype (fp32 master weights, or bf16 with FT_PRECISION=bf16-sr;
+    see trainer/core/config.py) and fit the embeddings to the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    # safetensors only, unless FT_ALLOW_PICKLE_WEIGHTS (trainer/model/trust.py checked the files in the preflight)
+    use_safetensors = None if settings.allow_pickle_weights else True
+    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=precision.dtype(), use_safetensors=use_safetensors, **hub_kwargs(settings))
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # ChatML tokens were added
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        if model.generation_config.eos_token_id is None:
+            model.generation_config.eos_token_id = eos
+    return model
+
+
+def parameter_count(config: Any) -> int:
+    """Parameters of a causal LM from its config alone (used for metadata and the memory plan)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe_size(n_params: int) -> str:
+    """`4b`, `0.6b`, `7m`: the seed's databricks_model_size_parameters style."""
+    if n_params >= 1e9:
+        return f"{n_params / 1e9:.1f}".rstrip("0").rstrip(".") + "b"
+    return f"{max(n_params / 1e6, 0.1):.1f}".rstrip("0").rstrip(".") + "m"
+
+
+def model_family(config: Any) -> str:
+    architectures = getattr(config, "architectures", None) or []
+    return architectures[0] if architectures else json.dumps(config.model_type)

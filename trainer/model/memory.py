@@ -1,0 +1,291 @@
+"""Memory and disk preflight: will this configuration fit, worked out before any weight is downloaded.
+
+The GPU estimate needs only the model's config.json (a few KB).  It adds up, for the worst forward
+pass the settings allow (every sequence at `FT_MAX_LENGTH`):
+
+  weights      fp32 master copy                                  4 B/param
+  gradients    fp32                                              4 B/param
+  optimizer    AdamW exp_avg + exp_avg_sq, fp32                  8 B/param
+  (FT_PRECISION=bf16-sr: bf16 weights 2 + bf16 gradients 2 + fp32 states 8 = 12 B/param, no autocast copies)
+  bf16 copies  autocast's cast of every weight, alive while a forward holds it (no recomputation, or a
+               forward that runs while the previous pass's gradients exist)      2 B/param
+  activations  per token: each layer's saved tensors; a recomputed layer keeps only its input, and
+               one recomputed layer's tensors and gradients are in flight in the backward
+  loss         TRL's chunked log-prob tiles (4096 tokens x 32768 vocab), never the full logits
+  workspace    CUDA context, cuBLAS workspace and allocator slack (1 GiB + 5 %)
+
+The activation coefficients were fitted to measured peaks on CPU (fp32, `tests/test_memory.py` keeps
+the error within `TOLERANCE`); the bf16 coefficients follow the same tensor count with 2-byte
+matmul outputs and are pending a measurement on the GPU (bench/RESULTS.md).
+
+The disk check needs: a checkpoint (fp32 weights + AdamW states = 12 B/param, measured 3.0x the fp32
+weights on the demo model; bf16-sr: bf16 weights + fp32 states = 10 B/param, measured) times the
+retained ones (`FT_SAVE_TOTAL_LIMIT` + the best + the one being written before the oldest is deleted),
+plus the final model (bf16 on GPU or with bf16-sr, fp32 on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Any
+
+from trainer.core.config import Config, Precision
+from trainer.core.errors import ConfigError
+from trainer.core.settings import Settings
+from trainer.core.volume import Volume
+
+GB = 1e9
+TOLERANCE = 0.15  # allowed error against measured peaks; measured -7 % to +5 % on CPU across recomputation policies (bench/RESULTS.md)
+RECOMPUTE_IN_FLIGHT = 3  # layers' worth of tensors while one layer is recomputed and differentiated (measured, CPU)
+LOSS_TILE_TOKENS, LOSS_TILE_VOCAB = 4096, 32768  # trl.kernels.chunked_logprob tile
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the job will run with, and what it is expected to cost."""
+
+    sequences_per_pass: int
+    passes_per_step: int
+    checkpoint_every: int  # 0: no recomputation; n: every n-th decoder layer recomputes (transformers' `every_n_layers`)
+    breakdown: dict[str, float]  # bytes, by component
+    capacity: float  # bytes; 0 = no device limit (CPU)
+    layers: int = 0  # decoder layers, for describing the recomputation
+    strategy: str = "none"  # how several processes share the model: none (one process), ddp or fsdp
+    processes: int = 1
+
+    @property
+    def peak(self) -> float:
+        return sum(self.breakdown.values())
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.checkpoint_every > 0
+
+    @property
+    def fits(self) -> bool:
+        return not self.capacity or self.peak <= self.capacity
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.breakdown.items())
+        limit = f" of {self.capacity / GB:.1f} GB" if self.capacity else " (no device limit)"
+        sharing = {"none": "", "ddp": f"{self.processes} processes (ddp: a whole model each), per process: ", "fsdp": f"{self.processes} processes (fsdp: 1/{self.processes} of the model each), per process: "}
+        return (
+            f"{sharing[self.strategy]}{self.sequences_per_pass} sequences x {self.passes_per_step} passes per step, activation checkpointing "
+            f"{checkpointing_label(self.checkpoint_every, self.layers)}: peak ~{self.peak / GB:.1f} GB{limit} ({parts} GB)"
+        )
+
+
+def checkpointed_layers(every: int, layers: int) -> int:
+    """Layers 0, n, 2n, ... recompute (transformers' `every_n_layers`); 0 = none."""
+    return -(-layers // every) if every else 0
+
+
+def checkpointing_label(every: int, layers: int) -> str:
+    if not every:
+        return "off"
+    if every == 1:
+        return "full (every layer)"
+    return f"selective (every {every} layers: {checkpointed_layers(every, layers)} of {layers})"
+
+
+def shape(config: Any) -> dict[str, int]:
+    """The sizes the estimate needs, from a transformers config of a decoder-only model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    return {
+        "layers": text.num_hidden_layers,
+        "hidden": hidden,
+        "q": heads * head_dim,
+        "kv": (getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+        "intermediate": getattr(text, "intermediate_size", None) or 4 * hidden,
+        "vocab": text.vocab_size,
+    }
+
+
+def layer_bytes_per_token(s: dict[str, int], act: int) -> float:
+    """Tensors one decoder layer saves for its backward, per token (`act`: bytes of a matmul output)."""
+    h, q, kv, inter = s["hidden"], s["q"], s["kv"], s["intermediate"]
+    norms = 4 * 4 * h  # two RMSNorms: fp32 input and normalised output each
+    attention = act * (q + 2 * kv) + 4 * 2 * (q + kv) + act * 2 * (q + kv) + act * 2 * q  # qkv, q/k norms, rope, out
+    mlp = act * 4 * inter  # gate, up, activation, product
+    return norms + attention + mlp
+
+
+def saved_per_token(layers: int, layer_input: float, per_layer: float, every: int) -> float:
+    """The most activation bytes alive at once: at the end of the forward, or in the backward of the highest
+    recomputed layer, when the layers above it have freed theirs, those below still hold theirs, and its own
+    recomputed tensors and their gradients are in flight (RECOMPUTE_IN_FLIGHT layers' worth, fitted on CPU)."""
+    recomputed = checkpointed_layers(every, layers)
+    end_of_forward = (layers - recomputed) * per_layer + recomputed * layer_input
+    if not recomputed:
+        return end_of_forward
+    kept_below_highest = (recomputed - 1) * (every - 1)
+    return max(end_of_forward, (kept_below_highest + RECOMPUTE_IN_FLIGHT) * per_layer + recomputed * layer_input)
+
+
+def estimate(
+    config: Any, n_params: int, *, precision: Precision, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int, shards: int = 1
+) -> dict[str, float]:
+    """Peak bytes of one process by component (see the module docstring); `checkpoint_every` as in Plan.
+
+    `shards`: FSDP over that many processes divides weights, gradients and AdamW states, and adds the layers
+    gathered whole while they compute (this one and the next, prefetched)."""
+    s = shape(config)
+    act = 2 if precision.bf16 else 4
+    tokens = sequences_per_pass * max_length
+    per_layer = layer_bytes_per_token(s, act)
+    activations = tokens * saved_per_token(s["layers"], 4 * s["hidden"], per_layer, checkpoint_every)
+    activations += tokens * 4 * s["hidden"] * 3  # embeddings output, final norm, its gradient
+    breakdown = {
+        "weights": float(precision.weight_bytes * n_params) / shards,
+        "gradients": float(precision.gradient_bytes * n_params) / shards,
+        "optimizer": float(precision.optimizer_bytes * n_params) / shards,
+    }
+    if shards > 1:
+        layer_params = (n_params - s["vocab"] * s["hidden"]) / s["layers"]
+        breakdown["gathered layers"] = 2 * layer_params * (precision.weight_bytes + precision.gradient_bytes)
+    if precision.autocast_copies and (checkpoint_every != 1 or passes_per_step > 1):
+        breakdown["bf16 copies"] = 2.0 * n_params / shards
+    breakdown["activations"] = float(activations)
+    breakdown["loss"] = float(min(tokens, LOSS_TILE_TOKENS) * min(s["vocab"], LOSS_TILE_VOCAB) * 4 * 3)
+    if precision.bf16:  # only on GPU (bf16-sr on CPU: a small overestimate): CUDA context and allocator slack
+        breakdown["workspace"] = 2**30 + 0.05 * sum(breakdown.values())
+    return breakdown
+
+
+def plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1) -> Plan:
+    """The cheapest sharing of the model (none for one process; `auto`: ddp, else fsdp), then the fewest forward
+    passes per step, then the least recomputation, that fit `capacity` (0 = no limit) in each process.
+
+    `checkpointing` is FT_ACTIVATION_CHECKPOINTING; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
+    """
+    if processes == 1:
+        strategies = ["none"]
+    else:
+        strategies = {"auto": ["ddp", "fsdp"], "none": ["ddp"], "ddp": ["ddp"], "fsdp": ["fsdp"]}[settings.distributed]
+    chosen = [_plan(config, n_params, settings, precision, capacity, checkpointing, strategy, processes) for strategy in strategies]
+    return next((c for c in chosen if c.fits), chosen[-1])
+
+
+def _plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, strategy: str, processes: int) -> Plan:
+    shards = processes if strategy == "fsdp" else 1
+    effective = settings.batch_size * settings.gradient_accumulation_steps
+    if settings.batch_layout == "as-set":
+        layouts = [(settings.batch_size, settings.gradient_accumulation_steps)]
+    else:
+        layouts = [(effective // p, p) for p in range(1, effective + 1) if effective % p == 0]
+    layers = shape(config)["layers"]
+    candidates = []
+    for per_pass, passes in layouts:
+        for every in recomputation_choices(checkpointing, layers, bool(capacity)):
+            breakdown = estimate(
+                config, n_params, precision=precision, sequences_per_pass=per_pass, passes_per_step=passes, max_length=settings.max_length, checkpoint_every=every, shards=shards
+            )
+            candidates.append(Plan(per_pass, passes, every, breakdown, capacity, layers, strategy, processes))
+    fitting = [c for c in candidates if c.fits]
+    return fitting[0] if fitting else min(candidates, key=lambda c: c.peak)
+
+
+def recomputation_choices(policy: str, layers: int, limited: bool) -> list[int]:
+    """`every_n_layers` values to try, least recomputation first (0 = none, 1 = every layer).
+
+    Without a device limit (CPU) recomputation only costs time: `auto` is off and `selective` every 2nd layer.
+    """
+    largest_n_per_count = {checkpointed_layers(n, layers): n for n in range(2, layers + 1)}
+    partial = [n for _, n in sorted(largest_n_per_count.items())]
+    return {
+        "off": [0],
+        "full": [1],
+        "selective": (partial or [1]) if limited else [min(2, layers)],
+        "auto": [0, *partial, 1] if limited else [0],
+    }[policy]
+
+
+def _fixes(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, processes: int = 1) -> list[str]:
+    """Settings that would make the job fit, each checked against the same estimate."""
+    fixes = []
+    for length in (settings.max_length // 2, settings.max_length // 4):
+        if length >= 256 and plan(config, n_params, dataclasses.replace(settings, max_length=length), precision, capacity, "auto", processes).fits:
+            fixes.append(f"FT_MAX_LENGTH={length}")
+            break
+    one = dataclasses.replace(settings, batch_layout="as-set", batch_size=1, gradient_accumulation_steps=settings.batch_size * settings.gradient_accumulation_steps)
+    if plan(config, n_params, one, precision, capacity, "full", processes).fits:
+        fixes.append(f"FT_BATCH_SIZE=1 FT_GRADIENT_ACCUMULATION_STEPS={one.gradient_accumulation_steps} FT_BATCH_LAYOUT=as-set FT_ACTIVATION_CHECKPOINTING=full")
+    for more in (2, 4, 8, 16, 32, 64):
+        if more > processes and plan(config, n_params, dataclasses.replace(settings, distributed="fsdp"), precision, capacity, "auto", more).fits:
+            fixes.append(f"FT_NUM_PROCESSES={more} (FSDP across {more} GPUs of this size; more than one machine's GPUs with FT_NUM_NODES)")
+            break
+    if not fixes:
+        per_param = precision.training_bytes
+        fixes.append(f"a GPU with more memory: weights, gradients and AdamW states alone take {per_param * n_params / GB:.0f} GB ({per_param} B/param)")
+    return fixes
+
+
+def device_capacity(settings: Settings, cuda: bool) -> float:
+    if settings.gpu_memory_gb:
+        return settings.gpu_memory_gb * GB
+    if not cuda:
+        return 0.0
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory)
+
+
+def check_disk(settings: Settings, n_params: int, precision: Precision) -> str | None:
+    """None when the volume has room for the retained checkpoints and the final model, else the problem."""
+    folder = os.path.abspath(settings.output_dir)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    checkpoint_dir = Volume(settings.output_dir).checkpoints
+    existing = sum(1 for n in os.listdir(checkpoint_dir) if n.startswith("checkpoint-")) if os.path.isdir(checkpoint_dir) else 0
+    steps_saved = settings.max_steps // settings.save_steps
+    retained = min(settings.save_total_limit + 2, steps_saved)  # + the best + the one written before rotation
+    new = max(retained - existing, 0)
+    final = precision.serving_bytes * n_params
+    checkpoint = precision.checkpoint_bytes * n_params
+    need = new * checkpoint + final
+    if need <= free:
+        return None
+    return (
+        f"the volume at {folder} has {free / GB:.1f} GB free; this job needs ~{need / GB:.1f} GB: {new} more checkpoint(s) of "
+        f"{checkpoint / GB:.1f} GB ({'bf16' if precision.weight_bytes == 2 else 'fp32'} weights + AdamW states; FT_SAVE_TOTAL_LIMIT={settings.save_total_limit} + the best "
+        f"+ the one being written) and the final model ({final / GB:.1f} GB). Lower FT_SAVE_TOTAL_LIMIT, raise FT_SAVE_STEPS, "
+        "or mount a larger FT_OUTPUT_DIR volume."
+    )
+
+
+def preflight(job: Config) -> Plan:
+    """Check what the model would load (trainer/model/trust.py), plan passes and recomputation from its config, then check GPU
+    memory and disk space.
+
+    Raises ConfigError (exit 2) for pickle weights or model code not allowed, and when memory or disk does not fit and
+    FT_PREFLIGHT=fail.
+    """
+    from trainer.model import loading as model
+    from trainer.model import trust
+
+    settings, precision, cuda = job.settings, job.precision, job.cuda
+    trust.check_model(settings)  # whatever FT_PREFLIGHT says: no pickle weights, no model code, unless allowed
+    config = model.read_config(settings)
+    n_params = model.parameter_count(config)
+    capacity = device_capacity(settings, cuda)
+    chosen = plan(config, n_params, settings, precision, capacity, settings.activation_checkpointing, job.world_size)
+    print(f"fulltune: memory plan: {chosen.describe()}", flush=True)
+    problems = []
+    if settings.preflight == "off":
+        return chosen
+    if not chosen.fits:
+        fixes = "; or ".join(_fixes(config, n_params, settings, precision, capacity, job.world_size))
+        problems.append(f"the estimated peak GPU memory does not fit: {chosen.describe()}. To fit, set {fixes} (or FT_PREFLIGHT=warn to try anyway).")
+    disk = check_disk(settings, n_params, precision)
+    if disk:
+        problems.append(disk)
+    if problems and settings.preflight == "fail":
+        raise ConfigError("preflight: " + " ".join(problems))
+    for problem in problems:
+        print(f"fulltune: preflight warning: {problem}", flush=True)
+    return chosen

@@ -1,0 +1,76 @@
+"""FSDP2 on CPU processes too, and a log line that shows what each process holds.
+
+accelerate 1.15 decides in `AcceleratorState.__init__` (accelerate/state.py, the `elif self.distributed_type in
+[MULTI_GPU, MULTI_MLU, ..., MULTI_NEURON]` branch) that only accelerator process groups honour an FSDP plugin: a
+CPU process group stays `MULTI_CPU` and the plugin the Trainer passed is dropped, so the model would be
+replicated (DDP) instead of sharded.  Nothing in FSDP2 needs a GPU: `fully_shard` and the full-state-dict
+gather run over gloo.  So, when the Trainer's accelerator came out `MULTI_CPU` although the recipe asked for
+FSDP, we finish that decision the way accelerate does it for a GPU group: the same plugin (built from the same
+`fsdp_plugin_args` the Trainer used), `distributed_type = FSDP` in both shared states.  Everything after that
+(wrapping each decoder layer, saving, loading) is accelerate's and transformers' own code path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from transformers import TrainerCallback
+
+from trainer.core import ranks
+
+
+def honour_fsdp_on_cpu(trainer: Any) -> None:
+    """Make the Trainer's accelerator shard with FSDP on a CPU (gloo) process group, as it would on GPUs."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if trainer.args.fsdp_plugin_args is None or state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True  # transformers derives it from the state right after building the accelerator
+
+
+@functools.cache  # one class: `type(trainer) is trainer_class()` holds, and it is built once
+def trainer_class() -> type:
+    """TRL's SFTTrainer, with its accelerator honouring FSDP on CPU processes too (trl imported only when asked)."""
+    from trl import SFTTrainer
+
+    class ShardedSFTTrainer(SFTTrainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            honour_fsdp_on_cpu(self)
+
+    return ShardedSFTTrainer
+
+
+def held_elements(net: Any) -> tuple[int, int]:
+    """(parameter elements this process holds, elements of the whole model): FSDP2 parameters are DTensors whose
+    local part is this process's shard."""
+    held = whole = 0
+    for p in net.parameters():
+        whole += p.numel()
+        held += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    return held, whole
+
+
+class ReportShards(TrainerCallback):
+    """Once the model is wrapped (training begins), print what each process holds of it:
+
+    fulltune: fsdp: the model's 445,568 parameter elements, held as 222,848 + 222,720 by 2 processes (largest share 0.500)
+    """
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None or ranks.world_size() == 1:
+            return
+        held, whole = held_elements(model)
+        counts = ranks.gather(held)
+        if ranks.is_main():
+            shares = " + ".join(f"{n:,}" for n in counts)
+            print(f"fulltune: fsdp: the model's {whole:,} parameter elements, held as {shares} by {len(counts)} processes (largest share {max(counts) / whole:.3f})", flush=True)

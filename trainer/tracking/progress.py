@@ -1,0 +1,161 @@
+"""One parseable progress line per logging step, and the same numbers in MLflow.
+
+    fulltune: step=20/50 loss=2.3400 lr=1.2e-05 tokens_per_s=15234 mfu=0.470 mem_gb=61.2 eta_s=812
+
+`tokens_per_s` counts real tokens (TRL's `num_tokens`: no padding) over the time spent in optimizer
+steps since the previous line, so evaluations do not dilute it.  `mfu` (GPU only) is model FLOPs per
+second over the GPU's dense bf16 peak: 6 x parameters + 12 x layers x attention width x sequence length
+per token (torchtitan's count; recomputation is not counted).  `mem_gb` is
+`torch.cuda.max_memory_allocated` on GPU and the peak RSS on CPU.  `eta_s` extrapolates the mean
+wall time per step so far, evaluations included.  Keys without a value on this device are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import resource
+import sys
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+
+from trainer.tracking import run as tracking
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
+
+
+def peak_flops(device_name: str) -> float | None:
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return flops
+    return None
+
+
+def flops_per_token(config: Any, n_params: int, mean_sequence: float) -> float:
+    """6N for the matmuls (the tied embedding counts once, as the LM head) + 12 L H d S for attention."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    matmul_params = n_params if getattr(text, "tie_word_embeddings", False) else n_params - text.vocab_size * text.hidden_size
+    return 6 * matmul_params + 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * mean_sequence
+
+
+FORMATS = {"loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}"}
+
+
+def format_line(values: dict[str, Any]) -> str:
+    return "fulltune: " + " ".join(f"{k}={FORMATS.get(k, '{}').format(v)}" for k, v in values.items() if v is not None)
+
+
+def parse_line(line: str) -> dict[str, str]:
+    """The inverse of format_line, for tools that read the log."""
+    return dict(part.split("=", 1) for part in line.removeprefix("fulltune: ").split() if "=" in part)
+
+
+def memory_gb(cuda: bool) -> float:
+    if cuda:
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 1e9
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB elsewhere
+
+
+def quiet_libraries() -> None:
+    """Keep the job's log to what a user reads: transformers' bars at every weight load and checkpoint write
+    ("Loading weights", "Writing model shards") are off; hub downloads keep theirs."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
+class TiedWeightsReload(logging.Filter):
+    """The Trainer reloads the best checkpoint non-strictly and reports a tied LM head as missing (it is saved
+    once, as the input embedding, and loading that loads both): drop exactly that report, keep any other."""
+
+    PREFIX = "There were missing keys in the checkpoint model loaded: "
+    tied: frozenset[str] = frozenset()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return True
+        try:
+            missing = set(ast.literal_eval(message[len(self.PREFIX) :].rstrip(".")))
+        except (SyntaxError, ValueError):
+            return True
+        return not (missing and missing <= self.tied)
+
+
+_TIED_FILTER = TiedWeightsReload()
+
+
+def expect_tied_weights(net: Any) -> None:
+    """Tell the filter which keys of `net` are tied to another (e.g. Qwen3's lm_head.weight to the embedding)."""
+    params = dict(net.named_parameters(remove_duplicate=False))
+    tied = getattr(net, "all_tied_weights_keys", None) or {}
+    _TIED_FILTER.tied = frozenset(k for k, v in tied.items() if k in params and v in params and params[k] is params[v])
+    logger = logging.getLogger("transformers.trainer")
+    if _TIED_FILTER not in logger.filters:
+        logger.addFilter(_TIED_FILTER)
+
+
+class Progress(TrainerCallback):
+    """Print the progress line at every logging step and log its numbers to the active MLflow run.
+
+    Its numbers go to the job's run through tracking.log_metrics (the Trainer's own `logs` are logged by
+    tracking.MetricsCallback).
+    """
+
+    def __init__(self, config: Any, n_params: int, sequences_per_step: int, cuda: bool):
+        self.config, self.n_params, self.sequences_per_step, self.cuda = config, n_params, sequences_per_step, cuda
+        self.peak = None
+        if cuda:
+            import torch
+
+            self.peak = peak_flops(torch.cuda.get_device_name(0))
+        self.step_time = 0.0  # seconds inside optimizer steps since the last line
+        self.last_tokens, self.last_step = 0, 0
+        self.began = self.step_started = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.began = time.perf_counter()
+        self.last_step = state.global_step
+        self.start_step = state.global_step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step_started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.step_started is not None:
+            self.step_time += time.perf_counter() - self.step_started
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" not in logs or "num_tokens" not in logs:
+            if "eval_loss" in logs:
+                print(format_line({"step": f"{state.global_step}/{state.max_steps}", "eval_loss": float(logs["eval_loss"])}), flush=True)
+            return
+        tokens = float(logs["num_tokens"]) - self.last_tokens
+        steps = state.global_step - self.last_step
+        tokens_per_s = tokens / self.step_time if self.step_time > 0 else None
+        mfu = None
+        if self.peak and tokens_per_s and steps:
+            mean_sequence = tokens / (steps * self.sequences_per_step)
+            mfu = tokens_per_s * flops_per_token(self.config, self.n_params, mean_sequence) / self.peak
+        done = state.global_step - self.start_step
+        elapsed = time.perf_counter() - self.began if self.began else 0.0
+        eta = elapsed / done * (state.max_steps - state.global_step) if done else None
+        values = {
+            "step": f"{state.global_step}/{state.max_steps}",
+            "loss": float(logs["loss"]),
+            "lr": float(logs.get("learning_rate", 0.0)),
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "mem_gb": memory_gb(self.cuda),
+            "eta_s": eta,
+        }
+        print(format_line(values), flush=True)
+        tracking.log_metrics({k: v for k, v in values.items() if k in ("tokens_per_s", "mfu", "mem_gb", "eta_s") and v is not None}, state.global_step)
+        self.last_tokens, self.last_step, self.step_time = float(logs["num_tokens"]), state.global_step, 0.0
