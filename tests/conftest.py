@@ -167,7 +167,7 @@ class MlflowServer:
 # -- The inventory of bad inputs and faults the suite exercises ---------------------------------------
 # A test that feeds the job one bad input or one fault carries `@pytest.mark.faults` (a parametrized one: one
 # per parameter set, named by its id) or `@pytest.mark.faults("what", "else", ...)` when one test exercises
-# several.  `pytest --collect-only -q --faults` lists them; the README states how many (tests/test_faults_inventory.py).
+# several.  `pytest --collect-only -q --faults` lists them; docs/preemption-and-failures.md states how many (tests/test_faults_inventory.py).
 
 
 def pytest_addoption(parser):

@@ -16,7 +16,7 @@ from google.cloud import aiplatform_v1
 from trainer.core import platforms, settings
 
 DEPLOY = REPO / "deploy"
-# What the README's `envsubst` fills in; the raw files (with ${...} left in) must validate too.
+# What docs/deployment.md's `envsubst` fills in; the raw files (with ${...} left in) must validate too.
 PLACEHOLDERS = {
     "AWS_ACCOUNT_ID": "123456789012",
     "AWS_REGION": "us-east-1",
@@ -31,7 +31,7 @@ PLACEHOLDERS = {
 
 def _texts(path):
     raw = path.read_text()
-    filled = string.Template(raw).substitute(PLACEHOLDERS)  # KeyError on a placeholder the README does not set
+    filled = string.Template(raw).substitute(PLACEHOLDERS)  # KeyError on a placeholder the guide does not set
     return {"raw": raw, "filled": filled}
 
 
@@ -126,7 +126,7 @@ print(dict(job.environment_variables))
 
 def test_azureml_command_job_validates_against_the_sdk_schema(tmp_path):
     path = tmp_path / "command-job.yml"
-    # Only ${IMAGE} is ours: $schema and ${{outputs.output_dir}} belong to Azure ML (the README runs `envsubst '$IMAGE'`).
+    # Only ${IMAGE} is ours: $schema and ${{outputs.output_dir}} belong to Azure ML (docs/deployment.md runs `envsubst '$IMAGE'`).
     path.write_text((DEPLOY / "azureml" / "command-job.yml").read_text().replace("${IMAGE}", PLACEHOLDERS["IMAGE"]))
     result = subprocess.run([validators_python(), "-c", AZURE_CHECK, str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -165,8 +165,8 @@ def test_azureml_schema_check_rejects_an_unknown_field(tmp_path):
 
 
 def _deploy_guide():
-    """The README's "Run it" section, between its deploy markers."""
-    text = (REPO / "README.md").read_text()
+    """The "Run it" section of docs/deployment.md, between its deploy markers."""
+    text = (REPO / "docs" / "deployment.md").read_text()
     return text[text.index("<!-- deploy:start -->") : text.index("<!-- deploy:end -->")]
 
 
