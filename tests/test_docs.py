@@ -1,0 +1,85 @@
+"""The README and docs/ say what the code does: links land, names exist, the module map is the tree.
+
+The generated tables (settings, exit codes) are checked in tests/test_settings.py, the faults count in
+tests/test_faults_inventory.py, the deploy and scaling guides in tests/test_cloud_specs.py and
+tests/test_k8s_scale.py; these checks cover what no single test owns.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from conftest import ROOT
+from trainer.core import settings
+
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def _prose(page: Path) -> str:
+    """The page without its fenced code blocks (a shell line's brackets are no link)."""
+    return FENCE.sub("", page.read_text())
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation dropped (but - and _), spaces to hyphens."""
+    headings = re.findall(r"^#{1,6} (.+)$", _prose(page), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for target in LINK.findall(_prose(page)):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:: not ours to check offline
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            broken.append(f"{target}: no file {linked.relative_to(ROOT) if linked.is_relative_to(ROOT) else linked}")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no heading #{anchor} in {linked.name}")
+    return broken
+
+
+def test_every_link_in_the_readme_and_docs_lands_on_a_file_and_heading(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n[ok](#title) [gone](missing.md) [moved](#no-such-heading)\n```\n[not a link](x)\n```\n")
+    assert broken_links(page) == [f"missing.md: no file {tmp_path / 'missing.md'}", "#no-such-heading: no heading #no-such-heading in page.md"]
+    assert {page.name: broken for page in PAGES if (broken := broken_links(page))} == {}
+
+
+def test_every_ft_name_in_the_readme_and_docs_is_a_setting():
+    """A setting renamed or removed leaves no page telling users to set it."""
+    unknown = {page.name: sorted(set(re.findall(r"\bFT_[A-Z0-9_]*[A-Z0-9]\b", page.read_text())) - set(settings.BY_ENV_NAME)) for page in PAGES}
+    assert {name: names for name, names in unknown.items() if names} == {}
+
+
+def test_the_readme_fits_a_first_screen_and_shows_your_own_model_and_data():
+    text = README.read_text()
+    assert len(text.encode()) <= 15 * 1024, "the README is the first screen: move detail to docs/"
+    blocks = "\n".join(re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M))
+    assert re.search(r"^FT_MODEL=\S+ FT_DATASET=\S+ .*python entrypoint\.py$", blocks, re.M), "the host command for your own model and data"
+    assert re.search(r"-e FT_MODEL=\S+ -e FT_DATASET=\S+", blocks), "the docker form of it"
+    assert blocks.index("pip install -r requirements-dev.txt") < blocks.index('python -m pytest -q -m "not slow"'), "pytest comes from requirements-dev.txt"
+
+
+def test_the_module_map_lists_every_module_and_only_modules_that_exist():
+    page = ROOT / "docs" / "architecture.md"
+    text = page.read_text()
+    table = text[text.index("<!-- modules:start -->") : text.index("<!-- modules:end -->")]
+    listed = re.findall(r"^\| `([\w/.]+\.py)` \|", table, re.M)
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "trainer").rglob("*.py") if p.name != "__init__.py"} | {"entrypoint.py"}
+    assert len(listed) == len(set(listed)), "each module is listed once"
+    assert sorted(set(listed) - modules) == [], f"rows for modules that are gone: update {page.name}"
+    assert sorted(modules - set(listed)) == [], f"modules missing from {page.name}'s map"
+
+
+def test_help_strings_say_what_a_setting_does_in_a_sentence_or_two():
+    """The why and the measurements live in docs/ (linked from the help); a help string that grows past this
+    is doing a page's job."""
+    for s in settings.TABLE:
+        sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", re.sub(r"\(\[[^\]]*\]\([^)]*\)\)", "", s.help).strip())
+        assert len(s.help) <= 400 and len(sentences) <= 2, (s.env_name, len(s.help), sentences)
