@@ -11,7 +11,9 @@ skipped = [(d["name"], d["skip_reason"]) for d in deps if d.get("skip_reason")]
 for name, version, vuln, fix in found:
     print(f"pip-audit: {name}=={version}: {vuln} (fixed in {fix}): upgrade the pin, or accept it in .ci/pip-audit-accepted.txt with a reason")
 if deps and len(skipped) == len(deps):
-    print(f"pip-audit: NOT AUDITED: none of the {len(deps)} packages could be checked (e.g. {skipped[0][1]}); the advisory data is out of reach from this machine")
+    print(
+        f"pip-audit: NOT AUDITED: none of the {len(deps)} packages could be checked (e.g. {skipped[0][1]}); the advisory data is out of reach from this machine"
+    )
     sys.exit(1 if os.environ.get("AUDIT_REQUIRED") == "1" else 0)
 for name, why in skipped:
     print(f"pip-audit: {name}: {why}")

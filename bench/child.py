@@ -108,7 +108,9 @@ def literal(args, work: str, cuda: bool, timer) -> Any:
         max_length=args.max_length,  # the seed left TRL's default (1024); the same limit for both variants here
         disable_tqdm=True,
     )
-    trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset["train"], eval_dataset=dataset["test"], processing_class=tokenizer, callbacks=[timer])
+    trainer = SFTTrainer(
+        model=model, args=training_args, train_dataset=dataset["train"], eval_dataset=dataset["test"], processing_class=tokenizer, callbacks=[timer]
+    )
     trainer.bench_layout = "1x8, every layer, off"
     return trainer
 
@@ -198,7 +200,8 @@ def gemm(seconds: float = 3.0, sizes: tuple[int, ...] = (1024, 2048)) -> dict:
             torch.mm(a, b)
             times.append(time.perf_counter() - started)
         best[n], medians[n] = 2 * n**3 / min(times), 2 * n**3 / statistics.median(times)
-    return {"peak_flops": max(best.values()), "median_flops": max(medians.values()), "by_size": {str(n): best[n] for n in sizes}, "threads": torch.get_num_threads()}
+    return {"peak_flops": max(best.values()), "median_flops": max(medians.values()), "by_size": {str(n): best[n] for n in sizes},
+            "threads": torch.get_num_threads()}
 
 
 def run(args) -> dict:

@@ -55,7 +55,9 @@ def seconds_per_step(workers: int, data, steps: int, sequences_per_step: int) ->
         env = {"FT_PLATFORM": "none", "FT_OUTPUT_DIR": out, "FT_DATALOADER_WORKERS": str(workers), "FT_MAX_LENGTH": "2048", "FT_TERMINATION_MESSAGE_PATH": ""}
         config = job_config.build(settings_table.load(env), cuda=False, bf16_supported=False)
         tokenizer = synthetic.tokenizer()
-        net = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+        config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16)
+        net = Qwen3ForCausalLM(config)
         prepared = job_data.Prepared(train=data, eval=data.select(range(2)), report={})
         trainer = job.build_trainer(config, tokenizer, prepared, Plan(sequences_per_step, 1, 0, {}, 0.0), net=net)  # the job's own Trainer
         loader = trainer.get_train_dataloader()
@@ -75,10 +77,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rows", type=int, default=2000)
     args = p.parse_args(argv)
     data = rows(args.rows, mean_tokens=1100, max_length=2048)
-    print(f"dataloader: {args.rows} rows, {sum(len(r) for r in data['input_ids']) / args.rows:.0f} tokens/row on average, 8 sequences a step, {os.cpu_count()} CPUs")
+    mean = sum(len(r) for r in data["input_ids"]) / args.rows
+    print(f"dataloader: {args.rows} rows, {mean:.0f} tokens/row on average, 8 sequences a step, {os.cpu_count()} CPUs")
     for workers in (int(w) for w in args.workers.split(",")):
         seconds, tokens = seconds_per_step(workers, data, args.steps, 8)
-        print(f"dataloader: FT_DATALOADER_WORKERS={workers}: {seconds * 1e3:.2f} ms per optimizer step ({tokens} tokens), {seconds / 0.55:.2%} of a 0.55 s Qwen3-4B step")
+        print(f"dataloader: FT_DATALOADER_WORKERS={workers}: {seconds * 1e3:.2f} ms per optimizer step ({tokens} tokens), "
+              f"{seconds / 0.55:.2%} of a 0.55 s Qwen3-4B step")
     return 0
 
 

@@ -99,7 +99,9 @@ def main(argv: list[str]) -> int:
         print("BENCH-RESULT " + json.dumps(result), flush=True)
         return 0
     work = args.work or tempfile.mkdtemp(prefix="fulltune-bench-")
-    stats = synthetic.build(work, rows=args.rows, mean_tokens=args.mean_tokens, gpu=args.gpu, config_path=os.path.join(HERE, "qwen3-4b-config.json"), vocab=args.vocab)
+    stats = synthetic.build(
+        work, rows=args.rows, mean_tokens=args.mean_tokens, gpu=args.gpu, config_path=os.path.join(HERE, "qwen3-4b-config.json"), vocab=args.vocab
+    )
     print(f"bench: data {stats}", flush=True)
     if args.dry_run:
         import child
@@ -117,7 +119,8 @@ def main(argv: list[str]) -> int:
             proc.terminate()
 
     def one(name: str, round_: int, overrides: dict[str, str]) -> dict:
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name, "--work", work, "--overrides", json.dumps(overrides), "--t0", str(time.time()), "--round", str(round_)]
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name, "--work", work,
+               "--overrides", json.dumps(overrides), "--t0", str(time.time()), "--round", str(round_)]
         started = time.perf_counter()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -207,7 +210,8 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[
     import transformers
     import trl
 
-    device = torch.cuda.get_device_name(0) if args.gpu and torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    cpu = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    device = torch.cuda.get_device_name(0) if args.gpu and torch.cuda.is_available() else cpu
     peak = max((g["peak_flops"] for g in gemms), default=None)
     for runs in results.values():
         for r in runs:
@@ -226,8 +230,10 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[
         f"### {time.strftime('%Y-%m-%d %H:%M')} — {device}",
         "",
         f"`{shlex.join(['python', 'bench/run.py', *argv])}`  ",
-        f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, python {platform.python_version()}, torch threads {'/'.join(map(str, threads)) or '-'}  ",
-        f"{args.steps} steps, eval every {args.eval_steps}, checkpoint every {args.save_steps or '- (none written)'}, max length {args.max_length}, data: {stats}  ",
+        f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, python {platform.python_version()}, "
+        f"torch threads {'/'.join(map(str, threads)) or '-'}  ",
+        f"{args.steps} steps, eval every {args.eval_steps}, checkpoint every {args.save_steps or '- (none written)'}, max length {args.max_length}, "
+        f"data: {stats}  ",
         f"{args.rounds} round(s), interleaved, each run a fresh process: {order}" + ("  " if gemms else ""),
     ]
     if gemms:

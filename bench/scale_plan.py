@@ -57,7 +57,10 @@ def main() -> None:
         cells = []
         for capacity in CARDS.values():
             chosen = smallest(config, n_params, capacity)
-            cells.append(f"{chosen.processes} ({chosen.strategy if chosen.processes > 1 else 'one GPU'}), {chosen.peak / 1e9:.0f} GB each" if chosen else f"more than {PROCESSES[-1]}")
+            if chosen:
+                cells.append(f"{chosen.processes} ({chosen.strategy if chosen.processes > 1 else 'one GPU'}), {chosen.peak / 1e9:.0f} GB each")
+            else:
+                cells.append(f"more than {PROCESSES[-1]}")
         print(f"| {name} | {n_params / 1e9:.1f} B | " + " | ".join(cells) + " |")
 
 

@@ -34,7 +34,8 @@ def tokenizer(words: int = WORDS):
     vocab = {t: i for i, t in enumerate(SPECIALS + ["system", "user", "assistant", "[UNK]"] + [f"w{i}" for i in range(words)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"], chat_template=TEMPLATE, model_max_length=1 << 20)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+                                   chat_template=TEMPLATE, model_max_length=1 << 20)
 
 
 def length(rng: random.Random, mean_tokens: int) -> int:
@@ -82,10 +83,12 @@ def build(work: str, rows: int, mean_tokens: int, gpu: bool, config_path: str, v
         shutil.copy(config_path, os.path.join(model_dir, "config.json"))  # the weights are built on the GPU (bench/child.py)
     else:
         torch.manual_seed(0)
-        config = Qwen3Config(vocab_size=len(tok), max_position_embeddings=8 * mean_tokens, tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, **TINY)
+        config = Qwen3Config(vocab_size=len(tok), max_position_embeddings=8 * mean_tokens, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, bos_token_id=None, **TINY)
         Qwen3ForCausalLM(config).save_pretrained(model_dir)
     ordered = sorted(lengths)
-    stats = {"rows": rows, "mean_tokens": round(sum(lengths) / rows), "p5": ordered[rows // 20], "p50": ordered[rows // 2], "p90": ordered[int(rows * 0.9)], "p95": ordered[int(rows * 0.95)], "max": ordered[-1], "vocab": len(tok)}
+    stats = {"rows": rows, "mean_tokens": round(sum(lengths) / rows), "p5": ordered[rows // 20], "p50": ordered[rows // 2],
+             "p90": ordered[int(rows * 0.9)], "p95": ordered[int(rows * 0.95)], "max": ordered[-1], "vocab": len(tok)}
     with open(done, "w") as f:
         json.dump({"request": request, "stats": stats}, f)
     return stats

@@ -110,7 +110,8 @@ def pod_failure_rule(job: dict, container: str, exit_code: int | None = None, co
 
 
 # Kubernetes' strategic merge patch keys (patchMergeKey) for the lists these manifests patch; other lists are replaced.
-MERGE_KEYS = {"replicatedJobs": "name", "containers": "name", "initContainers": "name", "volumes": "name", "volumeMounts": "mountPath", "env": "name", "ports": "containerPort"}
+MERGE_KEYS = {"replicatedJobs": "name", "containers": "name", "initContainers": "name", "volumes": "name", "volumeMounts": "mountPath", "env": "name",
+              "ports": "containerPort"}
 
 
 def strategic_merge(target: dict, patch: dict) -> dict:

@@ -26,7 +26,8 @@ def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatc
     original = job.build_trainer
     monkeypatch.setattr(job, "build_trainer", build_trainer)
     config = child.fulltune_config(args, str(tmp_path), "fulltune", {}, cuda=False)
-    expected = recipe.sft_config(config.settings, config.precision, memory.preflight(config), cuda=False).to_dict()  # before the Trainer: it resets accelerate's state
+    # before the Trainer: it resets accelerate's state
+    expected = recipe.sft_config(config.settings, config.precision, memory.preflight(config), cuda=False).to_dict()
     timer = child._timer(0.0)
     trainer = child.fulltune(config, timer)
 

@@ -61,7 +61,11 @@ def _batch_action(retry: dict, exit_code: int | None, status_reason: str = "") -
         return value.startswith(pattern[:-1]) if pattern.endswith("*") else value == pattern
 
     for rule in retry["evaluateOnExit"]:
-        if matches(rule.get("onExitCode"), None if exit_code is None else str(exit_code)) and matches(rule.get("onStatusReason"), status_reason) and matches(rule.get("onReason"), ""):
+        if (
+            matches(rule.get("onExitCode"), None if exit_code is None else str(exit_code))
+            and matches(rule.get("onStatusReason"), status_reason)
+            and matches(rule.get("onReason"), "")
+        ):
             return rule["action"]
     return "RETRY"
 
@@ -144,7 +148,9 @@ def test_azureml_command_trains_although_azure_ml_points_mlflow_at_its_own_store
     import sys
 
     command = yaml.safe_load((DEPLOY / "azureml" / "command-job.yml").read_text())["command"]
-    command = command.replace("${{outputs.output_dir}}", str(tmp_path / "output")).replace("python /app/entrypoint.py", f"{sys.executable} {REPO / 'entrypoint.py'}")
+    command = command.replace("${{outputs.output_dir}}", str(tmp_path / "output")).replace(
+        "python /app/entrypoint.py", f"{sys.executable} {REPO / 'entrypoint.py'}"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "MLFLOW_"))} | {
         "AZUREML_RUN_ID": "fulltune-qwen3-4b_1700000000_abcdef",
         "MLFLOW_TRACKING_URI": "azureml://eastus.api.azureml.ms/mlflow/v1.0/subscriptions/x/resourceGroups/y/providers/Microsoft.MachineLearningServices/workspaces/z",

@@ -73,7 +73,9 @@ def in_process(demo_assets, tmp_path, **env: str):
 def test_a_loss_above_the_limit_stops_the_job_after_the_patience(demo_assets, tmp_path):
     config, tokenizer, prepared, plan = in_process(demo_assets, tmp_path, FT_LOSS_LIMIT="1", FT_DIVERGENCE_PATIENCE="3")  # the demo starts near 6
     trainer = job.build_trainer(config, tokenizer, prepared, plan)
-    with pytest.raises(Diverged, match=r"training diverged at step 3: the training loss [\d.]+ is above FT_LOSS_LIMIT=1 at 3 logging step\(s\) in a row") as caught:
+    with pytest.raises(
+        Diverged, match=r"training diverged at step 3: the training loss [\d.]+ is above FT_LOSS_LIMIT=1 at 3 logging step\(s\) in a row"
+    ) as caught:
         trainer.train()
     assert f"the last good checkpoint is {tmp_path / 'volume' / 'checkpoints' / 'checkpoint-2'}." in str(caught.value)
     assert committed_steps(tmp_path / "volume") == [2]
@@ -112,7 +114,8 @@ class PoisonWeights(TrainerCallback):
 def test_a_checkpoint_with_nan_weights_is_set_aside_uncommitted_even_with_the_loss_watch_off(demo_assets, tmp_path):
     config, tokenizer, prepared, plan = in_process(demo_assets, tmp_path, FT_DIVERGENCE_PATIENCE="0")
     trainer = job.build_trainer(config, tokenizer, prepared, plan, callbacks=(PoisonWeights(),))
-    with pytest.raises(Diverged, match=r"at step 2: the weights hold NaN or infinite values \(model\.embed_tokens\.weight, .* and \d+ more\); that checkpoint is set aside in .*checkpoint-2\.not-finite"):
+    with pytest.raises(Diverged, match=r"at step 2: the weights hold NaN or infinite values \(model\.embed_tokens\.weight, .* and \d+ more\); "
+                                       r"that checkpoint is set aside in .*checkpoint-2\.not-finite"):
         trainer.train()
     out = tmp_path / "volume"
     assert committed_steps(out) == [] and not (out / "checkpoints" / "checkpoint-2").exists()

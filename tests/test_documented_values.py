@@ -255,7 +255,10 @@ RUNS = {
     "FT_ACTIVATION_CHECKPOINTING=full": ({"FT_ACTIVATION_CHECKPOINTING": "full"}, recomputes([True, True])),
     "FT_ACTIVATION_CHECKPOINTING=selective": ({"FT_ACTIVATION_CHECKPOINTING": "selective"}, recomputes([True, False])),
     "FT_BATCH_LAYOUT=auto": ({"FT_BATCH_LAYOUT": "auto", "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "2"}, arg("gradient_accumulation_steps", 1)),
-    "FT_BATCH_LAYOUT=as-set": ({"FT_BATCH_LAYOUT": "as-set", "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "2"}, arg("gradient_accumulation_steps", 2)),
+    "FT_BATCH_LAYOUT=as-set": (
+        {"FT_BATCH_LAYOUT": "as-set", "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "2"},
+        arg("gradient_accumulation_steps", 2),
+    ),
     "FT_PADDING_FREE=on": ({"FT_PADDING_FREE": "on"}, arg("per_device_train_batch_size", 2)),
     "FT_PADDING_FREE=off": ({"FT_PADDING_FREE": "off"}, padded),
     "FT_OPTIMIZER=adamw_torch": ({"FT_OPTIMIZER": "adamw_torch"}, arg("optim", "adamw_torch")),
@@ -271,7 +274,11 @@ RUNS = {
 REFUSED = {
     "FT_PRECISION=bf16-mixed": ({"FT_PRECISION": "bf16-mixed"}, ConfigError, r"FT_PRECISION=bf16-mixed needs a GPU with bf16 support"),
     "FT_LIGER=true": ({"FT_LIGER": "true"}, ConfigError, r"FT_LIGER=true needs a GPU"),
-    "FT_PREFLIGHT=fail": ({"FT_PREFLIGHT": "fail", "FT_GPU_MEMORY_GB": "0.001"}, ConfigError, r"preflight: the estimated peak GPU memory does not fit.*of 0\.0 GB"),
+    "FT_PREFLIGHT=fail": (
+        {"FT_PREFLIGHT": "fail", "FT_GPU_MEMORY_GB": "0.001"},
+        ConfigError,
+        r"preflight: the estimated peak GPU memory does not fit.*of 0\.0 GB",
+    ),
     "FT_BAD_ROWS=fail": ({"FT_BAD_ROWS": "fail", "FT_DATASET": "{with_bad_row}"}, DataError, r"1 bad row\(s\); fix them or set FT_BAD_ROWS=skip"),
 }
 
@@ -286,16 +293,19 @@ ELSEWHERE = {
     "FT_REGISTERED_MODEL": "test_local_datasets_train_end_to_end",  # empty = not registered
     "FT_RUN_NAME": "test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configuration",  # empty = <model>_full-fine-tuning
     "FT_SYSTEM_METRICS": "test_demo_model_learns_to_reverse_held_out_word_lists",  # false there, true in test_job.py
-    "FT_REGISTRATION_RETRY_SECONDS": "test_a_server_still_down_at_the_end_exits_3_keeping_the_model_and_the_metrics_and_a_retry_sends_them_and_registers",  # 12; 0 (one try) in test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers
+    # 12 there; 0 (one try) in test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers
+    "FT_REGISTRATION_RETRY_SECONDS": "test_a_server_still_down_at_the_end_exits_3_keeping_the_model_and_the_metrics_and_a_retry_sends_them_and_registers",
     "FT_PLATFORM": "test_every_platform_in_the_settings_table_can_be_forced",
     "FT_STOP_DEADLINE_SECONDS": "test_a_stop_that_cannot_finish_in_time_exits_76",
     "FT_ALLOW_CONFIG_CHANGE": "test_allow_config_change_resumes_despite_a_changed_setting",
     "FT_TERMINATION_MESSAGE_PATH": "test_an_empty_termination_message_path_writes_nothing",
-    "FT_LEASE_SECONDS": "test_a_lease_left_by_a_killed_job_is_taken_over_and_each_restart_resumes",  # 4 there, 3 and 12 in tests/test_lease.py; 60 everywhere else
+    # 4 there, 3 and 12 in tests/test_lease.py; 60 everywhere else
+    "FT_LEASE_SECONDS": "test_a_lease_left_by_a_killed_job_is_taken_over_and_each_restart_resumes",
     "FT_DIVERGENCE_PATIENCE": "test_off_with_patience_0_and_a_limit_only_counts_when_set",
     "FT_LOSS_LIMIT": "test_a_loss_above_the_limit_stops_the_job_after_the_patience",
     "FT_NUM_PROCESSES": "test_two_processes_train_like_one_with_the_same_global_batch",  # 2; 0 (the default) everywhere else
-    "FT_DISTRIBUTED": "test_two_processes_train_like_one_with_the_same_global_batch",  # ddp there; fsdp in test_fsdp_shards_the_model_over_two_cpu_processes_and_trains_what_one_process_trains
+    # ddp there; fsdp in test_fsdp_shards_the_model_over_two_cpu_processes_and_trains_what_one_process_trains
+    "FT_DISTRIBUTED": "test_two_processes_train_like_one_with_the_same_global_batch",
     "FT_NUM_NODES": "test_two_nodes_train_one_model_in_one_run",  # filled in from PET_NNODES
     "FT_NODE_RANK": "test_two_nodes_train_one_model_in_one_run",
     "FT_MASTER_ADDR": "test_two_nodes_train_one_model_in_one_run",

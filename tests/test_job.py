@@ -60,7 +60,9 @@ def test_demo_job_final_model_is_the_best_committed_checkpoint_and_replies_as_tr
     assert best.parent == out / "checkpoints" and best.name in ("checkpoint-20", "checkpoint-40")
     final, kept = load_file(out / "final" / "model" / "model.safetensors"), load_file(best / "model.safetensors")
     dtype = next(iter(final.values())).dtype  # fp32 on CPU; bf16 where the job trains in bf16 (checkpoints keep fp32 master weights)
-    assert final.keys() == kept.keys() and all(torch.equal(final[name], kept[name].to(dtype)) for name in final), "final/model holds the best checkpoint's weights"
+    assert final.keys() == kept.keys() and all(torch.equal(final[name], kept[name].to(dtype)) for name in final), (
+        "final/model holds the best checkpoint's weights"
+    )
     reply = greedy_reply(out / "final" / "model", PROMPT, 8)
     assert reply == greedy_reply(best, PROMPT, 8, tokenizer_dir=out / "final" / "model", dtype=dtype)
     assert reply != greedy_reply(out / "demo" / "model", PROMPT, 8, tokenizer_dir=out / "final" / "model"), "the untrained model replies otherwise"

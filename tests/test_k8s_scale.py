@@ -81,7 +81,9 @@ def trainjob_node_job(objects):
     spec["parallelism"] = spec["completions"] = nodes
     job_name = f"{name}-{replicated['name']}-0"
     pod = spec["template"]
-    pod.setdefault("metadata", {}).setdefault("labels", {}).update({"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"]})
+    pod.setdefault("metadata", {}).setdefault("labels", {}).update(
+        {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"]}
+    )
     pod["spec"].setdefault("restartPolicy", "OnFailure")
     if jobset.get("network", {}).get("enableDNSHostnames", True):
         pod["spec"]["subdomain"] = jobset.get("network", {}).get("subdomain", name)
@@ -99,7 +101,8 @@ def trainjob_node_job(objects):
         {"name": "PET_MASTER_PORT", "value": str(TRAINER_PORT)},
     ]
     strategic_merge(container, {"env": trainer.get("env", []) + pet, "ports": [{"containerPort": TRAINER_PORT}]})
-    metadata = {"name": job_name, "namespace": namespace, "labels": {"jobset.sigs.k8s.io/jobset-name": name}, "annotations": trainjob["metadata"].get("annotations", {})}
+    metadata = {"name": job_name, "namespace": namespace, "labels": {"jobset.sigs.k8s.io/jobset-name": name},
+                "annotations": trainjob["metadata"].get("annotations", {})}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}, jobset
 
 

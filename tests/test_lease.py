@@ -32,7 +32,9 @@ def holder_named(lease: dict) -> str:
 
 def start_in_own_group(env: dict[str, str], log: Path) -> subprocess.Popen:
     """A job whose whole process tree can be SIGKILLed at once, as when its machine or container is lost."""
-    return subprocess.Popen([sys.executable, str(ROOT / "entrypoint.py")], env=env, cwd=ROOT, start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "entrypoint.py")], env=env, cwd=ROOT, start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
 
 
 @pytest.mark.faults("a second job on a running job's volume")

@@ -15,7 +15,8 @@ def _tiny_model():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    config = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=512)
     return Qwen3ForCausalLM(config).eval()
 
 
@@ -31,7 +32,8 @@ def test_per_sequence_attention_matches_sdpa_on_padding_free_and_padded_batches(
         reference = torch.cat([net(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
         net.set_attn_implementation(attention.register())
         bounds = torch.tensor([0, 30, 80, 97], dtype=torch.int32)
-        flat = net(input_ids=torch.cat(seqs)[None], position_ids=torch.cat([torch.arange(n) for n in lengths])[None], use_cache=False, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds).logits[0]
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        flat = net(input_ids=torch.cat(seqs)[None], position_ids=positions, use_cache=False, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds).logits[0]
         ids, mask = torch.zeros(3, 50, dtype=torch.long), torch.zeros(3, 50, dtype=torch.long)
         for row, s in enumerate(seqs):
             ids[row, : len(s)], mask[row, : len(s)] = s, 1
@@ -107,9 +109,10 @@ def _train_with_layout(demo_assets, tmp_path, layout: str) -> tuple[Plan, int, l
 
     rows = tmp_path / "train.jsonl"
     rows.write_text("".join(json.dumps(row) + "\n" for row in demo.conversations(LAYOUT_ROWS, seed=7)))
-    settings = settings_table.load({"FT_OUTPUT_DIR": str(tmp_path / layout), "FT_MODEL": str(demo_assets / "model"), "FT_DATASET": str(rows), "FT_PLATFORM": "none",
-                                    "FT_BATCH_LAYOUT": layout, "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "8", "FT_MAX_STEPS": "4", "FT_LOGGING_STEPS": "1",
-                                    "FT_EVAL_STEPS": "4", "FT_SAVE_STEPS": "4", "FT_WARMUP_STEPS": "0", "FT_LEARNING_RATE": "1e-3", "FT_DATA_CACHE": "false"})
+    settings = settings_table.load({"FT_OUTPUT_DIR": str(tmp_path / layout), "FT_MODEL": str(demo_assets / "model"), "FT_DATASET": str(rows),
+                                    "FT_PLATFORM": "none", "FT_BATCH_LAYOUT": layout, "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "8",
+                                    "FT_MAX_STEPS": "4", "FT_LOGGING_STEPS": "1", "FT_EVAL_STEPS": "4", "FT_SAVE_STEPS": "4", "FT_WARMUP_STEPS": "0",
+                                    "FT_LEARNING_RATE": "1e-3", "FT_DATA_CACHE": "false"})
     built = config.build(settings, cuda=False, bf16_supported=False)
     plan = memory.preflight(built)
     tokenizer = model.load_tokenizer(settings)
@@ -149,17 +152,23 @@ def test_selective_recomputation_recomputes_the_planned_layers_and_keeps_the_los
     from trainer.data import demo
 
     tokenizer = demo.build_tokenizer(["abc def"] * 10)
-    settings = settings_table.load({"FT_OUTPUT_DIR": str(tmp_path), "FT_MAX_STEPS": "3", "FT_LOGGING_STEPS": "1", "FT_WARMUP_STEPS": "0", "FT_LEARNING_RATE": "1e-3"})
+    settings = settings_table.load(
+        {"FT_OUTPUT_DIR": str(tmp_path), "FT_MAX_STEPS": "3", "FT_LOGGING_STEPS": "1", "FT_WARMUP_STEPS": "0", "FT_LEARNING_RATE": "1e-3"}
+    )
     generator = torch.Generator().manual_seed(0)
-    rows = Dataset.from_dict({"input_ids": [torch.randint(3, len(tokenizer), (int(n),), generator=generator).tolist() for n in torch.randint(8, 40, (24,), generator=generator)]})
+    rows = Dataset.from_dict(
+        {"input_ids": [torch.randint(3, len(tokenizer), (int(n),), generator=generator).tolist() for n in torch.randint(8, 40, (24,), generator=generator)]}
+    )
 
     def train(every: int) -> tuple[list[float], list[bool]]:
         torch.manual_seed(0)
-        config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=tokenizer.pad_token_id)
+        config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, pad_token_id=tokenizer.pad_token_id)
         net = recipe.prepare_model(Qwen3ForCausalLM(config), settings, cuda=False)
         args = recipe.sft_config(settings, PRECISIONS["fp32"], Plan(8, 1, every, {}, 0.0), cuda=False)
         args.report_to = []  # no MLflow run for this check
-        trainer = SFTTrainer(model=net, args=args, train_dataset=rows, eval_dataset=rows.select(range(4)), processing_class=tokenizer, data_collator=recipe.collator(settings, tokenizer, cuda=False))
+        trainer = SFTTrainer(model=net, args=args, train_dataset=rows, eval_dataset=rows.select(range(4)), processing_class=tokenizer,
+                             data_collator=recipe.collator(settings, tokenizer, cuda=False))
         trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         return losses, [layer.gradient_checkpointing for layer in net.model.layers]

@@ -130,7 +130,11 @@ def test_plan_recomputes_only_as_many_layers_as_the_memory_needs():
     settings, config, n = _settings(), _qwen3_4b(), 4_022_468_096
 
     def one_pass(every):
-        return sum(memory.estimate(config, n, precision=PRECISIONS["bf16-sr"], sequences_per_pass=8, passes_per_step=1, max_length=2048, checkpoint_every=every).values())
+        return sum(
+            memory.estimate(
+                config, n, precision=PRECISIONS["bf16-sr"], sequences_per_pass=8, passes_per_step=1, max_length=2048, checkpoint_every=every
+            ).values()
+        )
 
     capacity = (one_pass(2) + one_pass(0)) / 2  # recomputing every 2nd layer fits, none does not
     chosen = memory.plan(config, n, settings, PRECISIONS["bf16-sr"], capacity, "auto")

@@ -76,7 +76,8 @@ def test_auto_precision_is_bf16_mixed_on_a_bf16_gpu_and_fp32_on_cpu():
 
 def test_bf16_sr_moves_essentially_every_bf16_weight_and_matches_fp32_loss(demo_assets, fp32_reference, tmp_path):
     changed, loss, delta = train(demo_assets, torch.bfloat16, True, tmp_path, sr=True)  # FT_PRECISION=bf16-sr
-    print(f"bf16-sr: {changed:.3f} of the weights changed, {kept(delta, fp32_reference[2]):.4f} of the update kept, loss {(loss / fp32_reference[1] - 1) * 100:+.4f} % vs fp32")
+    print(f"bf16-sr: {changed:.3f} of the weights changed, {kept(delta, fp32_reference[2]):.4f} of the update kept, "
+          f"loss {(loss / fp32_reference[1] - 1) * 100:+.4f} % vs fp32")
     assert changed > 0.5, "an element whose update is a fraction f of a bf16 ulp moves with probability f: not all move in 6 steps"
     assert kept(delta, fp32_reference[2]) == pytest.approx(1, abs=0.1), "stochastic rounding keeps the updates in expectation"
     assert loss == pytest.approx(fp32_reference[1], rel=0.01)

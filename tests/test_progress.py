@@ -11,13 +11,15 @@ from trainer.tracking import progress
 def test_progress_line_round_trips():
     line = progress.format_line({"step": "20/50", "loss": 2.34, "lr": 1.2e-05, "tokens_per_s": 15234.2, "mfu": 0.47, "mem_gb": 61.2, "eta_s": 812.0})
     assert line == "fulltune: step=20/50 loss=2.3400 lr=1.2e-05 tokens_per_s=15234 mfu=0.470 mem_gb=61.2 eta_s=812"
-    assert progress.parse_line(line) == {"step": "20/50", "loss": "2.3400", "lr": "1.2e-05", "tokens_per_s": "15234", "mfu": "0.470", "mem_gb": "61.2", "eta_s": "812"}
+    expected = {"step": "20/50", "loss": "2.3400", "lr": "1.2e-05", "tokens_per_s": "15234", "mfu": "0.470", "mem_gb": "61.2", "eta_s": "812"}
+    assert progress.parse_line(line) == expected
 
 
 def test_mfu_counts_qwen3_4b_as_27_8_gflop_per_token_at_2048():
     from transformers import Qwen3Config
 
-    config = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    config = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, tie_word_embeddings=True)
     assert progress.flops_per_token(config, 4_022_468_096, 2048) == pytest.approx(27.76e9, rel=0.005)
     assert progress.peak_flops("NVIDIA H200") == 989e12 and progress.peak_flops("Some CPU") is None
 

@@ -62,7 +62,9 @@ def test_each_chart_draws_the_runs_mlflow_metric_history(reported_job):
             assert points == history and len(points) >= 2, (chart, key)
         tag, png = images[chart]
         plan = float(m.group(1)) if (m := re.search(r'data-plan-gb="([^"]+)"', tag)) else None
-        redrawn = report.chart_png(report.CHARTS[chart][0], {key: [[m.step, m.value] for m in client.get_metric_history(run.info.run_id, key)] for key in series}, plan)
+        redrawn = report.chart_png(
+            report.CHARTS[chart][0], {key: [[m.step, m.value] for m in client.get_metric_history(run.info.run_id, key)] for key in series}, plan
+        )
         assert png == redrawn, f"the {chart} image is not the chart of the run's history"
     assert [p[0] for p in data["loss"]["loss"]] == [1, 2, 3, 4, 5, 6] and [p[0] for p in data["loss"]["eval_loss"]] == [3, 6]
     written = re.findall(r"^fulltune: run report \(([^)]+)\): (\S+) in [0-9.]+ s$", log, re.M)

@@ -27,7 +27,9 @@ def transformers_greedy(model_dir, tokenizer, prompt: str, max_new_tokens: int) 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
@@ -72,7 +74,10 @@ def test_the_prompts_are_chosen_reproducibly_from_the_validation_rows(demo_asset
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo_assets / "model")
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Reverse: a{i} b{i}"}, {"role": "assistant", "content": f"b{i} a{i}"}], tokenize=False) for i in range(50)]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": f"Reverse: a{i} b{i}"}, {"role": "assistant", "content": f"b{i} a{i}"}], tokenize=False)
+        for i in range(50)
+    ]
     rows = datasets.Dataset.from_dict({"input_ids": [tokenizer.encode(t, add_special_tokens=False) for t in texts]})
     first, again, other = (samples.pick(rows, 4, seed, tokenizer) for seed in (42, 42, 7))
     assert [s["row"] for s in first] == [s["row"] for s in again] != [s["row"] for s in other]

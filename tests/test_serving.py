@@ -29,7 +29,8 @@ def served(demo_job_run, tmp_path_factory):
         "HF_HUB_OFFLINE": "1",
         "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),  # MLflow execs `uvicorn` by name
     }
-    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{DEMO_NAME}/1", "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{DEMO_NAME}/1", "--env-manager", "local",
+               "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "w") as handle:
         server = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: uvicorn is a child
     url = f"http://127.0.0.1:{port}"
@@ -63,7 +64,8 @@ def chat(url: str, **request) -> tuple[int, dict]:
 def prompt_length(model_dir: Path, text: str) -> int:
     from transformers import AutoTokenizer
 
-    return len(AutoTokenizer.from_pretrained(model_dir).apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return len(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
 
 def decoded(model_dir: Path, ids: list[int]) -> str:

@@ -122,7 +122,8 @@ FIXED = ("FT_OUTPUT_DIR", "FT_TERMINATION_MESSAGE_PATH")  # where the test looks
 
 
 @pytest.mark.faults("invalid values through entrypoint.py")
-@explore(max_examples=6, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much])
+@explore(max_examples=6, deadline=None, derandomize=True, database=None,
+         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(env=st.dictionaries(st.sampled_from([n for n in NAMES if n not in FIXED]), VALUES, min_size=1, max_size=4))
 def test_invalid_values_through_entrypoint_exit_2_without_a_traceback_or_a_write(env, tmp_path_factory):
     base = {"FT_PLATFORM": "none", "FT_OUTPUT_DIR": "/nonexistent/volume"}

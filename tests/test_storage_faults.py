@@ -101,7 +101,10 @@ def test_a_full_volume_during_the_final_save_exits_6_and_after_making_room_saves
     last = volume / "checkpoints" / "checkpoint-8"
     weights = os.path.getsize(last / "model.safetensors")  # fp32, as the final model on CPU
     assert weights > LEFT_FOR_THE_FINAL_MODEL
-    assert re.search(r"the final model needs about ([\d,]+) bytes", line) and abs(int(re.search(r"about ([\d,]+)", line)[1].replace(",", "")) - weights) < 0.01 * weights
+    assert (
+        re.search(r"the final model needs about ([\d,]+) bytes", line)
+        and abs(int(re.search(r"about ([\d,]+)", line)[1].replace(",", "")) - weights) < 0.01 * weights
+    )
     assert f"Kept: every committed checkpoint, the newest {last} (a retry resumes there and saves the final model again)" in line
     assert committed_steps(volume)[-1] == 8 and checkpoints.damage(str(last)) is None
     nothing_registered_or_saved(volume)

@@ -16,7 +16,8 @@ import pytest
 from conftest import ROOT, job_env, run_job, with_faults
 
 CODE = sorted((ROOT / "trainer").rglob("*.py")) + [ROOT / "entrypoint.py"]
-LAYOUT = {"checkpoints", "incomplete", "final", "mlflow", ".fulltune", "data-cache", "data-report.txt", "eval-samples.jsonl", "report.html", "demo", "status.json", "fingerprint.json", "mlflow_run.json", "lease.json", "lease.lock", "unsent-tracking.json"}
+LAYOUT = {"checkpoints", "incomplete", "final", "mlflow", ".fulltune", "data-cache", "data-report.txt", "eval-samples.jsonl", "report.html", "demo",
+          "status.json", "fingerprint.json", "mlflow_run.json", "lease.json", "lease.lock", "unsent-tracking.json"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -49,7 +50,8 @@ def test_the_folders_imports_point_one_way():
             parts = module.split(".")
             if parts[0] == "trainer" and len(parts) > 1 and parts[1] != source and parts[1] in LAYERS | {"serving": 0, "job": 9}:
                 edges.add((source, parts[1], name))
-    backwards = sorted((name, target) for source, target, name in edges if target == "job" or source == "serving" or (source in LAYERS and LAYERS.get(target, -1) >= LAYERS[source]))
+    backwards = sorted((name, target) for source, target, name in edges
+                       if target == "job" or source == "serving" or (source in LAYERS and LAYERS.get(target, -1) >= LAYERS[source]))
     assert backwards == []
     assert {(source, target) for source, target, _ in edges if source == "launch"} <= {("launch", "core")}
 
@@ -98,7 +100,9 @@ def test_entrypoint_and_the_contract_import_no_torch():
     import subprocess
     import sys
 
-    modules = ["entrypoint"] + [f"trainer.{path.parent.name}.{path.stem}" for folder in ("core", "launch") for path in sorted((ROOT / "trainer" / folder).glob("*.py"))]
+    modules = ["entrypoint"] + [
+        f"trainer.{path.parent.name}.{path.stem}" for folder in ("core", "launch") for path in sorted((ROOT / "trainer" / folder).glob("*.py"))
+    ]
     heavy = ["torch", "transformers", "mlflow", "trl", "datasets", "accelerate"]
     probe = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint(sorted(set({heavy!r}) & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)

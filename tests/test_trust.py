@@ -51,8 +51,11 @@ def custom_code_model(demo_assets: Path, folder: Path, marker: Path) -> Path:
 @pytest.mark.parametrize(
     ("build", "expected"),
     [
-        (pickle_only_model, "has its weights only as pickle files (pytorch_model-00001-of-00002.bin, pytorch_model-00002-of-00002.bin), which can run code when loaded"),
-        (custom_code_model, "its model_type 'fulltune-custom' is not built into transformers and needs the Python code shipped with the model (configuration_custom.CustomConfig, modeling_custom.CustomForCausalLM); fulltune runs no code from a model unless FT_TRUST_REMOTE_CODE=true"),
+        (pickle_only_model, "has its weights only as pickle files (pytorch_model-00001-of-00002.bin, pytorch_model-00002-of-00002.bin), "
+                            "which can run code when loaded"),
+        (custom_code_model, "its model_type 'fulltune-custom' is not built into transformers and needs the Python code shipped with the model "
+                            "(configuration_custom.CustomConfig, modeling_custom.CustomForCausalLM); fulltune runs no code from a model unless "
+                            "FT_TRUST_REMOTE_CODE=true"),
     ],
     ids=["pickle-weights", "remote-code"],
 )

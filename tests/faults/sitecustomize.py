@@ -127,7 +127,8 @@ PATCHES = {  # module -> (variables, patch)
 }
 if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
     when = os.environ.get("FAULT_FILL_VOLUME_AT", "")
-    PATCHES["trainer.job" if when == "final" else "trainer.checkpointing.commits"] = (("FAULT_FILL_VOLUME",), _fill_before_final_save if when == "final" else _fill_after_commit)
+    target, fill = ("trainer.job", _fill_before_final_save) if when == "final" else ("trainer.checkpointing.commits", _fill_after_commit)
+    PATCHES[target] = (("FAULT_FILL_VOLUME",), fill)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
