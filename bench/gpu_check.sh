@@ -9,7 +9,7 @@
 # bf16-sr, twice): ratios are reported only between variants that finished both rounds, so the order
 # puts literal and fulltune first in each round.
 # Missing Python packages (trl, datasets, mlflow-skinny, environs, ...) may lie as wheels in .whl/
-# (see the README, "Running the GPU benchmark").  Results: bench/RESULTS.md, and $OUT if set.
+# (see docs/performance.md, "Running the benchmark").  Results: bench/RESULTS.md, and $OUT if set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" > /dev/null; then
