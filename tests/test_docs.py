@@ -7,6 +7,7 @@ tests/test_k8s_scale.py; these checks cover what no single test owns.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -64,6 +65,18 @@ def test_the_readme_fits_a_first_screen_and_shows_your_own_model_and_data():
     assert re.search(r"^FT_MODEL=\S+ FT_DATASET=\S+ .*python entrypoint\.py$", blocks, re.M), "the host command for your own model and data"
     assert re.search(r"-e FT_MODEL=\S+ -e FT_DATASET=\S+", blocks), "the docker form of it"
     assert blocks.index("pip install -r requirements-dev.txt") < blocks.index('python -m pytest -q -m "not slow"'), "pytest comes from requirements-dev.txt"
+
+
+def test_the_volume_table_names_every_path_the_job_writes_at_the_top_of_the_volume():
+    from trainer.core.volume import Volume
+
+    text = README.read_text()
+    table = text.split("## What lands on the volume\n", 1)[1].split("\n## ", 1)[0]
+    volume = Volume("/v")
+    paths = {getattr(volume, name) for name, value in vars(Volume).items() if isinstance(value, property)}
+    top = {os.path.basename(p) for p in paths if isinstance(p, str) and os.path.dirname(p) == "/v"}
+    assert len(top) >= 10
+    assert sorted(name for name in top if f"`{name}" not in table) == [], "add a row for each to the README's volume table"
 
 
 def test_the_module_map_lists_every_module_and_only_modules_that_exist():
