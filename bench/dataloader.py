@@ -55,9 +55,9 @@ def seconds_per_step(workers: int, data, steps: int, sequences_per_step: int) ->
         env = {"FT_PLATFORM": "none", "FT_OUTPUT_DIR": out, "FT_DATALOADER_WORKERS": str(workers), "FT_MAX_LENGTH": "2048", "FT_TERMINATION_MESSAGE_PATH": ""}
         config = job_config.build(settings_table.load(env), cuda=False, bf16_supported=False)
         tokenizer = synthetic.tokenizer()
-        config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                             num_key_value_heads=1, head_dim=16)
-        net = Qwen3ForCausalLM(config)
+        tiny = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16)
+        net = Qwen3ForCausalLM(tiny)
         prepared = job_data.Prepared(train=data, eval=data.select(range(2)), report={})
         trainer = job.build_trainer(config, tokenizer, prepared, Plan(sequences_per_step, 1, 0, {}, 0.0), net=net)  # the job's own Trainer
         loader = trainer.get_train_dataloader()
