@@ -252,3 +252,11 @@ def test_serving_what_cannot_be_served_exits_2_saying_what_to_give_and_a_registr
     result = subprocess.run(serve_command(f"models:/{DEMO_NAME}/1"), env=away, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "the registry http://****@127.0.0.1" in result.stderr and "s3cret" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow  # the demo job
+def test_final_model_is_a_plain_transformers_folder_with_what_vllm_reads_and_nothing_of_mlflow(demo_job_run):
+    out, _ = demo_job_run
+    folder = out / "final" / "model"
+    assert sorted(p.name for p in folder.iterdir()) == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]  # the class vLLM maps to its own
