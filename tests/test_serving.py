@@ -1,5 +1,7 @@
-"""The registered demo model behind a real `mlflow models serve`, asked over HTTP the way OpenAI-style chat
-clients ask; the answers are compared with what transformers generates from the same weights."""
+"""The registered demo model behind real servers, asked the way OpenAI-style chat clients ask: `mlflow models serve`
+(POST /invocations, over plain HTTP) and `python -m trainer.serving.openai_server` (transformers serve, through the
+official `openai` package with a plain base_url); the answers are compared with what transformers generates from the
+same weights."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
-from conftest import DEMO_NAME, assert_answers_as_transformers_does, free_port, greedy_reply, wait_for
+from conftest import DEMO_NAME, ROOT, assert_answers_as_transformers_does, free_port, greedy_reply, wait_for
 
 PROMPT = "Reverse: apple river stone"
 
@@ -128,3 +131,134 @@ def test_a_value_out_of_range_gets_400_naming_the_field_without_a_stack_trace(se
         status, response = chat(url, **request)
         assert status == 400, (request, response)
         assert field in response["message"] and "Traceback" not in json.dumps(response) and "stack_trace" not in response
+    status, response = chat(url, stream=True)
+    assert status == 400 and "stream" in response["message"] and "python -m trainer.serving.openai_server" in response["message"]
+
+
+# -- The OpenAI-compatible server: transformers serve on the registered model's folder -------------------------------
+
+
+def serve_command(model: str, *options: str) -> list[str]:
+    return [sys.executable, "-m", "trainer.serving.openai_server", model, *options]
+
+
+def serving_env(out: Path, **extra: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {"MLFLOW_TRACKING_URI": f"sqlite:///{out}/mlflow/mlflow.db", "HF_HUB_OFFLINE": "1"} | extra
+
+
+@pytest.fixture(scope="module")
+def openai_served(demo_job_run, tmp_path_factory):
+    """`python -m trainer.serving.openai_server models:/<demo model>/1` on a free loopback port: (an `openai.OpenAI`
+    client with a plain base_url, the final weights' folder)."""
+    out, _ = demo_job_run
+    port, log = free_port(), tmp_path_factory.mktemp("openai-serve") / "serve.log"
+    command = serve_command(f"models:/{DEMO_NAME}/1", "--host", "127.0.0.1", "--port", str(port))
+    with open(log, "w") as handle:
+        server = subprocess.Popen(command, env=serving_env(out), cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert server.poll() is None, log.read_text()
+        try:
+            return urllib.request.urlopen(f"{url}/health", timeout=2).status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(ready, timeout=240, what="the OpenAI-compatible server")
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0), out / "final" / "model"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+        print(log.read_text()[-2000:])
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You reverse lists of words."},
+    {"role": "user", "content": "Reverse: one two"},
+    {"role": "assistant", "content": "two one"},
+    {"role": "user", "content": PROMPT},
+]
+
+
+def greedy_ids(model_dir: Path, messages: list[dict], max_new_tokens: int) -> tuple[int, list[int]]:
+    """The prompt's length and the reply's token ids, as transformers generates them greedily for `messages`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
+    return prompt["input_ids"].shape[1], output[0, prompt["input_ids"].shape[1] :].tolist()
+
+
+def as_served(model_dir: Path, ids: list[int]) -> str:
+    """The reply's text as transformers serve writes it: it reads a Qwen3 answer with its response parser (for
+    `<think>` and tool calls), on the text with special tokens kept (vLLM drops them; a trained model writes none
+    before its `<|im_end|>`, the demo's tiny one does)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.slow  # the demo job and transformers serve in subprocesses
+def test_the_openai_client_lists_the_registered_model_and_gets_the_greedy_reply_of_the_whole_conversation(openai_served):
+    client, weights = openai_served
+    assert [model.id for model in client.models.list()] == [DEMO_NAME]
+
+    response = client.chat.completions.create(model=DEMO_NAME, messages=CONVERSATION, temperature=0, max_tokens=8)
+    prompt_tokens, reply = greedy_ids(weights, CONVERSATION, 8)
+    print(f"served {response.choices[0].message.content!r}, transformers {as_served(weights, reply)!r}")
+    assert response.model == DEMO_NAME and response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == as_served(weights, reply).strip()  # the whole answer is stripped
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (prompt_tokens, len(reply))  # every turn reached the model
+    assert response.choices[0].finish_reason == ("length" if len(reply) == 8 else "stop")
+
+
+@pytest.mark.slow  # the demo job and transformers serve in subprocesses
+def test_stream_true_sends_the_same_greedy_reply_in_pieces_with_the_usage_last(openai_served):
+    client, weights = openai_served
+    chunks = list(client.chat.completions.create(model=DEMO_NAME, messages=[{"role": "user", "content": PROMPT}], temperature=0, max_tokens=8, stream=True))
+    pieces = [chunk.choices[0].delta.content for chunk in chunks if chunk.choices and chunk.choices[0].delta.content]
+    reply = greedy_reply(weights, PROMPT, 8)
+    print(f"pieces {pieces!r}")
+    assert len(pieces) > 1 and "".join(pieces) == as_served(weights, reply)
+    assert all(chunk.object == "chat.completion.chunk" and chunk.model == DEMO_NAME for chunk in chunks)
+    assert chunks[-1].usage.completion_tokens == len(reply) and chunks[-1].choices[0].finish_reason == ("length" if len(reply) == 8 else "stop")
+
+
+@pytest.mark.slow  # the demo job and transformers serve in subprocesses
+def test_a_client_asking_for_another_model_gets_400_naming_the_served_one(openai_served):
+    client, _ = openai_served
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": PROMPT}], max_tokens=2)
+    detail = refused.value.response.json()["detail"]  # FastAPI's error body (the client's own message shows only the code)
+    assert DEMO_NAME in detail and "gpt-4o-mini" in detail
+
+
+@pytest.mark.faults("a served model that is not registered", "a served folder that is not a model", "a registry that does not answer when serving")
+@pytest.mark.slow  # the demo job's registry
+def test_serving_what_cannot_be_served_exits_2_saying_what_to_give_and_a_registry_not_answering_exits_1_without_its_password(demo_job_run, tmp_path):
+    out, _ = demo_job_run
+    cases = (
+        (f"models:/{DEMO_NAME}/7", f"models:/{DEMO_NAME}/7: Model Version (name={DEMO_NAME}, version=7) not found", "the job registers models:/<FT_REGISTERED_MODEL>/<version>"),
+        (str(tmp_path), f"{tmp_path}: {tmp_path} has no config.json", "give the job's final/ or final/model/ folder"),
+    )
+    for model, says, fix in cases:
+        result = subprocess.run(serve_command(model), env=serving_env(out), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert says in result.stderr and fix in result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+    away = serving_env(out, MLFLOW_TRACKING_URI=f"http://user:s3cret@127.0.0.1:{free_port()}", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    result = subprocess.run(serve_command(f"models:/{DEMO_NAME}/1"), env=away, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "the registry http://****@127.0.0.1" in result.stderr and "s3cret" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow  # the demo job
+def test_final_model_is_a_plain_transformers_folder_with_what_vllm_reads_and_nothing_of_mlflow(demo_job_run):
+    out, _ = demo_job_run
+    folder = out / "final" / "model"
+    assert sorted(p.name for p in folder.iterdir()) == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]  # the class vLLM maps to its own

@@ -57,15 +57,18 @@ def test_the_folders_imports_point_one_way():
 
 
 def test_only_the_tracking_module_imports_mlflow():
-    """serving.py is the one exception: it is no part of the job but the saved model's code, which MLflow copies into
-    the model and runs in the serving process (it subclasses mlflow.pyfunc.PythonModel); it opens no run."""
+    """serving/ is the one exception: it is no part of the job but the saved model's code, which MLflow copies into
+    the model and runs in the serving process (pyfunc.py subclasses mlflow.pyfunc.PythonModel), and the command that
+    fetches a registered model for the OpenAI-compatible server (openai_server.py); neither opens a run."""
     importers = [_name(path) for path in CODE if any(name == "mlflow" or name.startswith("mlflow.") for name in _imports(path))]
-    assert importers == ["serving/pyfunc.py", "tracking/run.py"]
+    assert importers == ["serving/openai_server.py", "serving/pyfunc.py", "tracking/run.py"]
 
 
-def test_the_serving_module_imports_nothing_of_fulltune():
-    """It runs alone inside `mlflow models serve`, where the trainer package is not installed."""
-    assert not {name for name in _imports(ROOT / "trainer" / "serving" / "pyfunc.py") if name.split(".")[0] in ("trainer", "entrypoint")}
+@pytest.mark.parametrize("module", ["pyfunc.py", "openai_server.py"])
+def test_the_serving_modules_import_nothing_of_fulltune(module):
+    """pyfunc.py runs alone inside `mlflow models serve`, where the trainer package is not installed; openai_server.py
+    starts a server that needs only mlflow and transformers."""
+    assert not {name for name in _imports(ROOT / "trainer" / "serving" / module) if name.split(".")[0] in ("trainer", "entrypoint")}
 
 
 def layout_paths_built(source: str) -> list[str]:

@@ -123,7 +123,10 @@ def _generation_options(request: dict[str, Any], defaults: Any, room: int) -> di
         "presence_penalty": bool(request.get("presence_penalty")),
     }
     if named := [name for name, asked in unsupported.items() if asked]:
-        raise MlflowException.invalid_parameter_value(f"not supported by this endpoint: {', '.join(named)} (one non-streamed answer, no tools, no penalties)")
+        raise MlflowException.invalid_parameter_value(
+            f"not supported by this endpoint: {', '.join(named)} (one non-streamed answer, no tools, no penalties); an OpenAI-compatible "
+            "server on the same model streams: python -m trainer.serving.openai_server, or vLLM on its model/ folder (docs/serving.md)"
+        )
     max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
     options: dict[str, Any] = {"max_new_tokens": _bounded(max_tokens, "max_tokens", 1, room) if max_tokens is not None else room}
     if options["max_new_tokens"] < 1:
