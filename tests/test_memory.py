@@ -63,8 +63,8 @@ MEASURE = textwrap.dedent(
     """
     import json, os, sys, threading, time, torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    from trainer import memory
-    from trainer.config import PRECISIONS
+    from trainer.model import memory
+    from trainer.core.config import PRECISIONS
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=16000, hidden_size=384, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=6,
@@ -97,10 +97,11 @@ MEASURE = textwrap.dedent(
     sampler.join()
     peak = highest[0] - before
     n = sum(p.numel() for p in net.parameters())
-    parts = memory.estimate(config, n, precision=PRECISIONS["fp32"], sequences_per_pass=4, passes_per_step=1, max_length=512, checkpoint_every=every)
+    each = memory.phases(config, n, precision=PRECISIONS["fp32"], sequences_per_pass=4, passes_per_step=1, max_length=512, checkpoint_every=every)
     # transformers' own loss (not TRL's chunked one) materialises the full logits, their softmax and gradient
-    parts["loss"] = 4 * 512 * 16000 * 4 * 3
-    print(json.dumps({"measured": peak, "estimated": sum(parts.values())}))
+    for name in ("forward", "backward start"):
+        each[name]["loss"] = 4 * 512 * 16000 * 4 * 3
+    print(json.dumps({"measured": peak, "estimated": max(sum(parts.values()) for parts in each.values())}))
     """
 )
 
