@@ -63,7 +63,7 @@ def shape(config: Any) -> dict[str, int]:
 
 def parameter_count(config: Any) -> int:
     """Parameters of a Llama/Qwen-style decoder from its sizes alone, without torch (`entrypoint.py plan`);
-    tests/test_memory.py holds it equal to transformers' model for Qwen3."""
+    tests/test_plan_vs_simulation.py holds it equal to transformers' model for Qwen3."""
     s = shape(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     h, q, kv = s["hidden"], s["q"], s["kv"]
