@@ -75,5 +75,5 @@ RUN python -m compileall -q /app
 USER 10001:10001
 # The whole command is the ENTRYPOINT: SageMaker starts training images as `docker run IMAGE train`,
 # and the extra "train" argument is then ignored instead of replacing the command.  No arguments runs the
-# reference job with the table's defaults.
+# reference job with the table's defaults; `docker run IMAGE plan --card h100-80gb` prints the memory plan only.
 ENTRYPOINT ["/usr/bin/tini", "--", "python", "/app/entrypoint.py"]

@@ -3,6 +3,7 @@
 
     FT_PRESET=demo FT_OUTPUT_DIR=./out python entrypoint.py      # tiny offline demo on CPU
     docker run --gpus 1 -v /data/run1:/output fulltune           # the reference job
+    FT_MODEL=bench/configs/qwen3-8b python entrypoint.py plan --card h100-80gb [--json]   # the memory plan only
 
 Validation runs here, before torch is imported, so a typo exits 2 within a second.  The training
 process is a child so that this process (PID 1 in a container) can forward SIGTERM/SIGINT to it and
@@ -20,6 +21,10 @@ from trainer.launch import lease
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["plan"]:  # a question before renting GPUs: no job, no torch (trainer/model/plan_command.py)
+        from trainer.model import plan_command
+
+        return plan_command.main(sys.argv[2:])
     stops = launch.StopForwarder()  # first: a stop during start-up is answered, never lost
     platform, implied = platforms.detect(os.environ)
     print(platforms.describe(platform, implied), flush=True)

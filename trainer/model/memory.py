@@ -1,22 +1,17 @@
 """Memory and disk preflight: will this configuration fit, worked out before any weight is downloaded.
 
-The GPU estimate needs only the model's config.json (a few KB).  It adds up, for the worst forward
-pass the settings allow (every sequence at `FT_MAX_LENGTH`):
+The GPU plan needs only the model's config.json (a few KB): trainer/model/estimate.py gives the bytes of
+each phase of a step (forward, start and end of the backward, the optimizer's update) for a layout, as
+bench/simulate_memory.py measures them with torch's own accounting; the plan is the fastest layout whose
+highest phase fits.  Per parameter, before activations:
 
   weights      fp32 master copy                                  4 B/param
   gradients    fp32                                              4 B/param
   optimizer    AdamW exp_avg + exp_avg_sq, fp32                  8 B/param
   (FT_PRECISION=bf16-sr: bf16 weights 2 + bf16 gradients 2 + fp32 states 8 = 12 B/param, no autocast copies)
-  bf16 copies  autocast's cast of every weight, alive while a forward holds it (no recomputation, or a
-               forward that runs while the previous pass's gradients exist)      2 B/param
-  activations  per token: each layer's saved tensors; a recomputed layer keeps only its input, and
-               one recomputed layer's tensors and gradients are in flight in the backward
-  loss         TRL's chunked log-prob tiles (4096 tokens x 32768 vocab), never the full logits
-  workspace    CUDA context, cuBLAS workspace and allocator slack (1 GiB + 5 %)
 
-The activation coefficients were fitted to measured peaks on CPU (fp32, `tests/test_memory.py` keeps
-the error within `TOLERANCE`); the bf16 coefficients follow the same tensor count with 2-byte
-matmul outputs and are pending a measurement on the GPU (bench/RESULTS.md).
+docs/memory-plan.md describes every term, the CUDA-only ones (context, cuBLAS workspace, allocator slack)
+and `python entrypoint.py plan`, which prints this plan for a card.
 
 The disk check needs: a checkpoint (fp32 weights + AdamW states = 12 B/param, measured 3.0x the fp32
 weights on the demo model; bf16-sr: bf16 weights + fp32 states = 10 B/param, measured) times the
@@ -35,11 +30,21 @@ from trainer.core.config import Config, Precision
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
 from trainer.core.volume import Volume
+from trainer.model.estimate import (  # noqa: F401  (the plan's public names stay here)
+    LOSS_TILE_TOKENS,
+    LOSS_TILE_VOCAB,
+    SIMULATED_TOLERANCE,
+    checkpointed_layers,
+    checkpointing_label,
+    estimate,
+    layer_bytes_per_token,
+    parameter_count,
+    phases,
+    shape,
+)
 
 GB = 1e9
-TOLERANCE = 0.15  # allowed error against measured peaks; measured -7 % to +5 % on CPU across recomputation policies (bench/RESULTS.md)
-RECOMPUTE_IN_FLIGHT = 3  # layers' worth of tensors while one layer is recomputed and differentiated (measured, CPU)
-LOSS_TILE_TOKENS, LOSS_TILE_VOCAB = 4096, 32768  # trl.kernels.chunked_logprob tile
+TOLERANCE = 0.15  # allowed error against RSS measured on CPU (fp32); against bench/simulate_memory.py: SIMULATED_TOLERANCE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,8 @@ class Plan:
     layers: int = 0  # decoder layers, for describing the recomputation
     strategy: str = "none"  # how several processes share the model: none (one process), ddp or fsdp
     processes: int = 1
+
+    phase: str = "forward"  # of the step, where the peak is
 
     @property
     def peak(self) -> float:
@@ -77,85 +84,6 @@ class Plan:
         )
 
 
-def checkpointed_layers(every: int, layers: int) -> int:
-    """Layers 0, n, 2n, ... recompute (transformers' `every_n_layers`); 0 = none."""
-    return -(-layers // every) if every else 0
-
-
-def checkpointing_label(every: int, layers: int) -> str:
-    if not every:
-        return "off"
-    if every == 1:
-        return "full (every layer)"
-    return f"selective (every {every} layers: {checkpointed_layers(every, layers)} of {layers})"
-
-
-def shape(config: Any) -> dict[str, int]:
-    """The sizes the estimate needs, from a transformers config of a decoder-only model."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, heads = text.hidden_size, text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
-    return {
-        "layers": text.num_hidden_layers,
-        "hidden": hidden,
-        "q": heads * head_dim,
-        "kv": (getattr(text, "num_key_value_heads", None) or heads) * head_dim,
-        "intermediate": getattr(text, "intermediate_size", None) or 4 * hidden,
-        "vocab": text.vocab_size,
-    }
-
-
-def layer_bytes_per_token(s: dict[str, int], act: int) -> float:
-    """Tensors one decoder layer saves for its backward, per token (`act`: bytes of a matmul output)."""
-    h, q, kv, inter = s["hidden"], s["q"], s["kv"], s["intermediate"]
-    norms = 4 * 4 * h  # two RMSNorms: fp32 input and normalised output each
-    attention = act * (q + 2 * kv) + 4 * 2 * (q + kv) + act * 2 * (q + kv) + act * 2 * q  # qkv, q/k norms, rope, out
-    mlp = act * 4 * inter  # gate, up, activation, product
-    return norms + attention + mlp
-
-
-def saved_per_token(layers: int, layer_input: float, per_layer: float, every: int) -> float:
-    """The most activation bytes alive at once: at the end of the forward, or in the backward of the highest
-    recomputed layer, when the layers above it have freed theirs, those below still hold theirs, and its own
-    recomputed tensors and their gradients are in flight (RECOMPUTE_IN_FLIGHT layers' worth, fitted on CPU)."""
-    recomputed = checkpointed_layers(every, layers)
-    end_of_forward = (layers - recomputed) * per_layer + recomputed * layer_input
-    if not recomputed:
-        return end_of_forward
-    kept_below_highest = (recomputed - 1) * (every - 1)
-    return max(end_of_forward, (kept_below_highest + RECOMPUTE_IN_FLIGHT) * per_layer + recomputed * layer_input)
-
-
-def estimate(
-    config: Any, n_params: int, *, precision: Precision, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int, shards: int = 1
-) -> dict[str, float]:
-    """Peak bytes of one process by component (see the module docstring); `checkpoint_every` as in Plan.
-
-    `shards`: FSDP over that many processes divides weights, gradients and AdamW states, and adds the layers
-    gathered whole while they compute (this one and the next, prefetched)."""
-    s = shape(config)
-    act = 2 if precision.bf16 else 4
-    tokens = sequences_per_pass * max_length
-    per_layer = layer_bytes_per_token(s, act)
-    activations = tokens * saved_per_token(s["layers"], 4 * s["hidden"], per_layer, checkpoint_every)
-    activations += tokens * 4 * s["hidden"] * 3  # embeddings output, final norm, its gradient
-    breakdown = {
-        "weights": float(precision.weight_bytes * n_params) / shards,
-        "gradients": float(precision.gradient_bytes * n_params) / shards,
-        "optimizer": float(precision.optimizer_bytes * n_params) / shards,
-    }
-    if shards > 1:
-        layer_params = (n_params - s["vocab"] * s["hidden"]) / s["layers"]
-        breakdown["gathered layers"] = 2 * layer_params * (precision.weight_bytes + precision.gradient_bytes)
-    if precision.autocast_copies and (checkpoint_every != 1 or passes_per_step > 1):
-        breakdown["bf16 copies"] = 2.0 * n_params / shards
-    breakdown["activations"] = float(activations)
-    breakdown["loss"] = float(min(tokens, LOSS_TILE_TOKENS) * min(s["vocab"], LOSS_TILE_VOCAB) * 4 * 3)
-    if precision.bf16:  # only on GPU (bf16-sr on CPU: a small overestimate): CUDA context and allocator slack
-        breakdown["workspace"] = 2**30 + 0.05 * sum(breakdown.values())
-    return breakdown
-
-
 def plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1) -> Plan:
     """The cheapest sharing of the model (none for one process; `auto`: ddp, else fsdp), then the fewest forward
     passes per step, then the least recomputation, that fit `capacity` (0 = no limit) in each process.
@@ -171,6 +99,18 @@ def plan(config: Any, n_params: int, settings: Settings, precision: Precision, c
 
 
 def _plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, strategy: str, processes: int) -> Plan:
+    layouts = candidates(config, n_params, settings, precision, capacity, checkpointing, processes, strategy)
+    fitting = [c for c in layouts if c.fits]
+    return fitting[0] if fitting else min(layouts, key=lambda c: c.peak)
+
+
+def candidates(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1, strategy: str | None = None) -> list[Plan]:
+    """Every layout the settings allow, fastest first: the fewest passes per step, then the least recomputation.
+
+    The plan is the first that fits; a job that runs out of memory anyway can walk down this list (each later one
+    makes the same updates with less memory).  `strategy`: none, ddp or fsdp; by default the one `plan` picks."""
+    if strategy is None:
+        strategy = plan(config, n_params, settings, precision, capacity, checkpointing, processes).strategy
     shards = processes if strategy == "fsdp" else 1
     effective = settings.batch_size * settings.gradient_accumulation_steps
     if settings.batch_layout == "as-set":
@@ -178,15 +118,14 @@ def _plan(config: Any, n_params: int, settings: Settings, precision: Precision, 
     else:
         layouts = [(effective // p, p) for p in range(1, effective + 1) if effective % p == 0]
     layers = shape(config)["layers"]
-    candidates = []
+    found = []
     for per_pass, passes in layouts:
         for every in recomputation_choices(checkpointing, layers, bool(capacity)):
-            breakdown = estimate(
-                config, n_params, precision=precision, sequences_per_pass=per_pass, passes_per_step=passes, max_length=settings.max_length, checkpoint_every=every, shards=shards
-            )
-            candidates.append(Plan(per_pass, passes, every, breakdown, capacity, layers, strategy, processes))
-    fitting = [c for c in candidates if c.fits]
-    return fitting[0] if fitting else min(candidates, key=lambda c: c.peak)
+            layout = {"sequences_per_pass": per_pass, "passes_per_step": passes, "max_length": settings.max_length, "checkpoint_every": every, "shards": shards}
+            each = phases(config, n_params, precision=precision, **layout)
+            highest = max(each, key=lambda name: sum(each[name].values()))
+            found.append(Plan(per_pass, passes, every, each[highest], capacity, layers, strategy, processes, highest))
+    return found
 
 
 def recomputation_choices(policy: str, layers: int, limited: bool) -> list[int]:

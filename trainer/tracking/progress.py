@@ -5,7 +5,9 @@
 `tokens_per_s` counts real tokens (TRL's `num_tokens`: no padding) over the time spent in optimizer
 steps since the previous line, so evaluations do not dilute it.  `mfu` (GPU only) is model FLOPs per
 second over the GPU's dense bf16 peak: 6 x parameters + 12 x layers x attention width x sequence length
-per token (torchtitan's count; recomputation is not counted).  `mem_gb` is
+per token (PaLM's and torchtitan's count: what the step's math needs, with no recomputation of any kind:
+not activation checkpointing's, nor the attention kernel's in its backward, nor the logits TRL's chunked
+loss recomputes; tests/test_progress_flops.py holds it to torch's FlopCounterMode).  `mem_gb` is
 `torch.cuda.max_memory_allocated` on GPU and the peak RSS on CPU.  `eta_s` extrapolates the mean
 wall time per step so far, evaluations included.  Keys without a value on this device are left out.
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer.model.estimate import shape
 from trainer.tracking import run as tracking
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -34,11 +37,11 @@ def peak_flops(device_name: str) -> float | None:
 
 
 def flops_per_token(config: Any, n_params: int, mean_sequence: float) -> float:
-    """6N for the matmuls (the tied embedding counts once, as the LM head) + 12 L H d S for attention."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    matmul_params = n_params if getattr(text, "tie_word_embeddings", False) else n_params - text.vocab_size * text.hidden_size
-    return 6 * matmul_params + 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * mean_sequence
+    """6N for the matmuls (the tied embedding counts once, as the LM head) + 12 L H d S for attention (the full
+    square of scores, as PaLM counts it); the model's sizes are trainer/model/estimate.py's."""
+    s = shape(config)
+    matmul_params = n_params if s["tied"] else n_params - s["vocab"] * s["hidden"]
+    return 6 * matmul_params + 12 * s["layers"] * s["q"] * mean_sequence
 
 
 FORMATS = {"loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}"}

@@ -1,0 +1,72 @@
+"""`python entrypoint.py plan`: the memory plan for the configured FT_* and a card, from config.json alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+QWEN3_8B = ROOT / "bench" / "configs" / "qwen3-8b"
+
+
+def plan(*args, **env):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FT_")} | {"HF_HUB_OFFLINE": "1", "FT_PLATFORM": "none"} | env
+    return subprocess.run([sys.executable, "entrypoint.py", "plan", *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
+
+
+def test_plan_prints_the_layout_recomputation_and_peak_for_a_card_as_json_without_torch():
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = ['entrypoint.py', 'plan', '--card', 'h200-141gb', '--json']\n"
+        "try:\n    runpy.run_path('entrypoint.py', run_name='__main__')\n"
+        "except SystemExit as done:\n    print('torch' in sys.modules, done.code)\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FT_")} | {"FT_MODEL": str(QWEN3_8B), "FT_MAX_LENGTH": "2048", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
+    data, (torch_loaded, code) = json.loads(result.stdout.splitlines()[0]), result.stdout.splitlines()[1].split()
+    assert (torch_loaded, code) == ("False", "0"), result.stderr
+    assert data["card"] == "h200-141gb" and data["capacity_gb"] == 150.8 and data["fits"]
+    assert data["parameters"] == 8_190_735_360 and data["precision"] == "bf16-mixed"
+    assert data["sequences_per_pass"] * data["passes_per_step"] == 8 and data["recomputation"].startswith("full")
+    assert sum(data["breakdown_gb"].values()) == pytest.approx(data["peak_gb"], abs=0.05)
+    assert {"weights", "optimizer", "activations", "workspace"} <= set(data["breakdown_gb"])
+
+
+def test_plan_as_text_names_the_layout_and_each_component():
+    result = plan("--card", "h100-80gb", FT_MODEL=str(ROOT / "bench" / "qwen3-4b-config.json"), FT_MAX_LENGTH="2048")
+    assert result.returncode == 0, result.stderr
+    assert "8 sequences x 1 passes per optimizer step, one process" in result.stdout
+    assert "recomputation: full (every layer)" in result.stdout and "fits" in result.stdout
+    assert "in the backward end" in result.stdout and "tied gradient" in result.stdout and "weights" in result.stdout
+
+
+def test_a_model_too_big_for_the_card_exits_2_with_the_processes_that_fit_it():
+    result = plan("--card", "h100-80gb", FT_MODEL=str(QWEN3_8B), FT_MAX_LENGTH="2048")
+    assert result.returncode == 2
+    assert "does NOT fit" in result.stdout and "FT_NUM_PROCESSES=4 (FSDP" in result.stdout
+    four = plan("--card", "h100-80gb", "--json", FT_MODEL=str(QWEN3_8B), FT_MAX_LENGTH="2048", FT_NUM_PROCESSES="4")
+    assert four.returncode == 0, four.stdout + four.stderr
+    assert json.loads(four.stdout)["strategy"] == "fsdp"
+
+
+def test_ft_gpu_memory_gb_is_the_card_when_no_card_is_named():
+    result = plan("--json", FT_MODEL=str(QWEN3_8B), FT_GPU_MEMORY_GB="400")
+    assert result.returncode == 0 and json.loads(result.stdout)["capacity_gb"] == 400.0
+
+
+def test_a_hub_id_without_the_hub_exits_2_saying_to_give_a_local_config():
+    result = plan(FT_MODEL="Qwen/Qwen3-4B")
+    assert result.returncode == 2
+    assert "FT_MODEL='Qwen/Qwen3-4B'" in result.stderr and "local folder" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_unknown_card_or_setting_exits_2_naming_it():
+    card = plan("--card", "h100", FT_MODEL=str(QWEN3_8B))
+    assert card.returncode == 2 and "--card 'h100'" in card.stderr and "h100-80gb" in card.stderr
+    setting = plan(FT_MODEL=str(QWEN3_8B), FT_MAX_LENGTH="many")
+    assert setting.returncode == 2 and "FT_MAX_LENGTH" in setting.stderr

@@ -1,0 +1,137 @@
+"""`python entrypoint.py plan [--card NAME] [--json]`: what the job would run with on a card, before renting it.
+
+    FT_MODEL=bench/configs/qwen3-8b python entrypoint.py plan --card h100-80gb
+    FT_MODEL=./my-model FT_MAX_LENGTH=4096 FT_NUM_PROCESSES=4 python entrypoint.py plan --card h200-141gb --json
+    docker run -e FT_MODEL=/models/qwen3-4b -v /models:/models IMAGE plan --card a100-80gb
+
+From the model's config.json alone (no GPU, no weights, no torch): the same plan the job's preflight makes
+(trainer/model/memory.py) for the configured FT_* settings, printed as text or JSON.  Exit 0 when it fits, 2 when
+it does not (with the settings that would make it fit, as the preflight says), or when the settings or the
+config cannot be read (a hub id while the hub is unreachable: give a local folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+from typing import Any
+
+from trainer.core import config as job_config
+from trainer.core import errors, settings
+from trainer.core.errors import ConfigError
+from trainer.model import memory
+
+# What each card reports to the job (nvidia-smi's total, in MiB, as bytes): the plan must fit this, not the name.
+CARDS = {
+    "h100-80gb": 81_559 * 2**20,  # measured on an H100 SXM 80 GB (bench/scale_plan.py)
+    "h200-141gb": 143_771 * 2**20,
+    "a100-80gb": 81_920 * 2**20,
+    "a100-40gb": 40_960 * 2**20,
+    "l40s-48gb": 46_068 * 2**20,
+}
+DEFAULT_CARD = "h100-80gb"  # the reference job's card
+
+
+def read_config(model: str, revision: str) -> tuple[Any, str]:
+    """The model's config.json as an object with attributes, and where it was read; no transformers (which imports torch)."""
+    candidates = [model] if model.endswith(".json") else [os.path.join(model, "config.json")]
+    for path in candidates:
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return _attributes(json.load(f)), path
+    if os.path.isdir(model) or model.startswith(("/", "./", "../")) or model.endswith(".json"):
+        raise ConfigError(f"FT_MODEL={model!r}: no config.json there; `plan` needs only that file of the model")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(model, "config.json", revision=revision or None)
+    except (OSError, ValueError) as error:  # offline, unreachable, unknown repo (huggingface_hub's errors subclass these)
+        raise ConfigError(
+            f"FT_MODEL={model!r}: cannot read its config.json from the Hugging Face hub ({type(error).__name__}). `plan` needs only "
+            "that file: set FT_MODEL to a local folder holding it (bench/configs/ has Qwen3-8B, 14B and 32B; bench/qwen3-4b-config.json is Qwen3-4B)"
+        ) from None
+    with open(path, encoding="utf-8") as f:
+        return _attributes(json.load(f)), model
+
+
+def _attributes(values: dict[str, Any]) -> Any:
+    text = values.get("text_config") or values  # a multimodal config keeps its language model's sizes there
+    return types.SimpleNamespace(**{**values, **text, "architectures": values.get("architectures")})
+
+
+def capacity(card: str | None, validated: settings.Settings) -> tuple[str, float]:
+    """`--card` if given, else FT_GPU_MEMORY_GB if set, else the reference job's card."""
+    if card:
+        if card not in CARDS:
+            raise ConfigError(f"--card {card!r} is not a card this plan knows: use one of {', '.join(CARDS)}, or set FT_GPU_MEMORY_GB to the card's memory in GB")
+        return card, float(CARDS[card])
+    if validated.gpu_memory_gb:
+        return f"FT_GPU_MEMORY_GB={validated.gpu_memory_gb:g}", validated.gpu_memory_gb * memory.GB
+    return DEFAULT_CARD, float(CARDS[DEFAULT_CARD])
+
+
+def report(validated: settings.Settings, card: str | None) -> tuple[dict[str, Any], list[str]]:
+    """The plan as data, and the fixes when it does not fit."""
+    config, source = read_config(validated.model, validated.model_revision)
+    name, limit = capacity(card, validated)
+    precision = job_config.PRECISIONS["bf16-mixed" if validated.precision == "auto" else validated.precision]  # auto on a bf16 GPU
+    processes = (validated.num_processes or 1) * validated.num_nodes
+    n_params = memory.parameter_count(config)
+    chosen = memory.plan(config, n_params, validated, precision, limit, validated.activation_checkpointing, processes)
+    fixes = [] if chosen.fits else memory._fixes(config, n_params, validated, precision, limit, processes)
+    layers = memory.shape(config)["layers"]
+    data = {
+        "model": source,
+        "parameters": n_params,
+        "card": name,
+        "capacity_gb": round(limit / memory.GB, 1),
+        "precision": precision.name,
+        "max_length": validated.max_length,
+        "sequences_per_pass": chosen.sequences_per_pass,
+        "passes_per_step": chosen.passes_per_step,
+        "checkpoint_every": chosen.checkpoint_every,
+        "recomputation": memory.checkpointing_label(chosen.checkpoint_every, layers),
+        "processes": chosen.processes,
+        "strategy": chosen.strategy,
+        "peak_gb": round(chosen.peak / memory.GB, 2),
+        "peak_phase": chosen.phase,
+        "fits": chosen.fits,
+        "breakdown_gb": {k: round(v / memory.GB, 2) for k, v in chosen.breakdown.items()},
+        "fixes": fixes,
+    }
+    return data, fixes
+
+
+def describe(data: dict[str, Any]) -> str:
+    sharing = "one process" if data["processes"] == 1 else f"{data['processes']} processes ({data['strategy']})"
+    lines = [
+        f"fulltune plan: {data['model']} ({data['parameters'] / 1e9:.2f} B parameters), {data['precision']}, FT_MAX_LENGTH={data['max_length']}, on {data['card']} ({data['capacity_gb']} GB)",
+        f"  layout:        {data['sequences_per_pass']} sequences x {data['passes_per_step']} passes per optimizer step, {sharing}",
+        f"  recomputation: {data['recomputation']}",
+        f"  peak:          ~{data['peak_gb']:.1f} GB per GPU, in the {data['peak_phase']}: {'fits' if data['fits'] else 'does NOT fit'}",
+    ]
+    lines += [f"    {name:<16}{gb:>8.2f} GB" for name, gb in data["breakdown_gb"].items()]
+    if data["fixes"]:
+        lines.append("  to fit, set " + "; or ".join(data["fixes"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="entrypoint.py plan", description="The memory plan for the configured FT_* settings on a card, from config.json alone.")
+    parser.add_argument("--card", help=f"one of {', '.join(CARDS)} (default: FT_GPU_MEMORY_GB if set, else {DEFAULT_CARD})")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    args = parser.parse_args(argv)
+    errors.set_termination_message_path(os.environ.get("FT_TERMINATION_MESSAGE_PATH", ""))  # a question, not a job: no termination log
+    try:
+        data, fixes = report(settings.load(os.environ), args.card)
+    except errors.FulltuneError as error:
+        return errors.exit_code_for(error)
+    print(json.dumps(data) if args.json else describe(data), flush=True)
+    return 0 if data["fits"] else ConfigError.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
