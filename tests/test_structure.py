@@ -54,11 +54,12 @@ def test_the_folders_imports_point_one_way():
     assert {(source, target) for source, target, _ in edges if source == "launch"} <= {("launch", "core")}
 
 
-def test_only_the_tracking_module_imports_mlflow():
+def test_only_the_tracking_folder_imports_mlflow():
     """serving.py is the one exception: it is no part of the job but the saved model's code, which MLflow copies into
     the model and runs in the serving process (it subclasses mlflow.pyfunc.PythonModel); it opens no run."""
     importers = [_name(path) for path in CODE if any(name == "mlflow" or name.startswith("mlflow.") for name in _imports(path))]
-    assert importers == ["serving/pyfunc.py", "tracking/run.py"]
+    assert [name for name in importers if not name.startswith("tracking/")] == ["serving/pyfunc.py"]
+    assert "tracking/run.py" in importers
 
 
 def test_the_serving_module_imports_nothing_of_fulltune():
