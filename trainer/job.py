@@ -156,15 +156,17 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
         raise Preempted("stopped before training started; the committed checkpoints are unchanged")
     trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper,))
     trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
-    tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0)
+    tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
     print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
     with diskfull.reported(volume.root, lambda: _full_during_training(config, trainer, volume)):
         trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
+        tracker.ended_training(f"stopped by a signal at step {trainer.state.global_step} (exit 75)")
         run_report.stopped(trainer.state.global_step)
         raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
     if trainer.state.global_step < trainer.state.max_steps:
         _stopped_early(config, trainer, tracker)
+    tracker.ended_training(f"finished at step {trainer.state.global_step}")
     return trainer
 
 

@@ -155,7 +155,7 @@ def _answer(text: str) -> str:
     return f"<td><pre>{_e(text)}</pre></td>" if text else '<td class="empty">(empty: only special tokens or none)</td>'
 
 
-TURN = re.compile(r"<\\|im_start\\|>(\\w+)\\n(.*?)(?:<\\|im_end\\|>\\n?|$)", re.S)  # ChatML, Qwen's template
+TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>\n?|$)", re.S)  # ChatML, Qwen's template
 
 
 def _conversation(prompt: str) -> str:

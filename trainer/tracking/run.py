@@ -1,28 +1,24 @@
-"""The job's MLflow run as one object, `Tracker`: the one run per job (kept across restarts), what goes into it,
-and how it ends.  Nothing else in the job talks to MLflow's tracking API.
+"""The job's MLflow run as one object, `Tracker`: one run per job (kept across restarts), what goes into it, and
+how it ends.  docs/tracking-notes.md describes the interface.
 
     tracker = Tracker(config)
     tracker.warm_up()                    # MLflow imported and the URI checked in the background; nothing written
     tracker.start()                      # exit 2 now for a URI MLflow cannot use; the run opens in the background
     with tracker:                        # FINISHED, KILLED (stopped: a restart continues it) or FAILED
-        tracker.log_metrics({...}, step)  # also what MetricsCallback sends at each Trainer log
+        tracker.log_metrics({...}, step)  # also MetricsCallback, at each Trainer log
         tracker.log(tags=..., metrics=..., artifacts={"data/report.json": report})
-        tracker.log_file(volume.report)  # a file on the volume, as it is
         tracker.register(volume.final, metadata)
 
 The run opens off the path to the first step: a fresh embedded store creates its tables (about 10 s on two busy
 cores), so that, the run's parameters and the system-metrics monitor are done by a thread while the model loads
-and trains; what is logged meanwhile waits in memory and goes first.  Metrics, tags and artifacts reach the
-server from a thread of their own (trainer/tracking/outbox.py), so a server that stops answering mid-run stalls
-nothing.  At the end of the job, the rest of them, the registration and the run's status wait for it up to
-FT_REGISTRATION_RETRY_SECONDS; past that the job exits 3, the model kept and what was not sent written to the
-volume for the next attempt.  Rank 0 alone tracks (one run per job, not one per rank: mlflow #11782); on the
-other ranks every method does nothing.
+and trains; what is logged meanwhile waits in memory and goes first.  Everything then reaches the server from
+the outbox's thread (trainer/tracking/outbox.py), so an outage stalls nothing; at the end the rest, the
+registration and the run's status wait for it up to FT_REGISTRATION_RETRY_SECONDS, past which the job exits 3
+with what was not sent kept on the volume.  Rank 0 alone tracks (mlflow #11782); elsewhere every call is a no-op.
 
-The run id is stored on the volume: the transformers MLflowCallback would start a new run on every restart
-(transformers #30563), and it logs every TrainingArguments field as a param; `MetricsCallback` replaces it
-(the job sets `report_to="none"`).  The run is driven with MlflowClient and its run id, never MLflow's "active
-run", which belongs to the thread that started it.
+The run id is kept on the volume (trainer/tracking/runfile.py): transformers' MLflowCallback would start a new run
+on every restart (transformers #30563) and log every TrainingArguments field; `MetricsCallback` replaces it.  The
+run is driven with MlflowClient and its id, never MLflow's "active run", which belongs to the thread that started it.
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.errors import Preempted, RegistrationFailed
 from trainer.core.volume import Volume, read_json, write_json
-from trainer.tracking import delivery, registry, store
+from trainer.tracking import delivery, registry, runfile, store
 from trainer.tracking.outbox import Outbox
 from trainer.tracking.server import gist, redact, servers_answer
 
@@ -96,30 +92,26 @@ class Tracker:
     def __exit__(self, kind, error, traceback) -> None:
         status = "FINISHED" if error is None else "KILLED" if isinstance(error, Preempted) else "FAILED"
         outcome = {"FINISHED": "finished", "KILLED": "stopped (exit 75)", "FAILED": f"failed ({type(error).__name__})"}[status]
-        self._end_attempt(f"{outcome} at step {self.last_step}")
+        self.ended_training(f"{outcome} at step {self.last_step}")
         self.finish(status, raising=error is None)
 
-    def began_training(self, from_step: int) -> None:
-        """This attempt starts training, from step 0 or a checkpoint: a row of the report's attempts, kept on the volume."""
+    def began_training(self, from_step: int, started: float) -> None:
+        """This attempt (its process started at `started`, time.time()) trains from step 0 or a checkpoint: a row of
+        the report's attempts, kept on the volume with the earlier ones."""
         self.last_step = from_step
         if self.enabled:
-            self._attempt = {"started": time.time(), "from_step": from_step}
-            self._save_attempts()
+            self._attempt = {"started": started, "from_step": from_step}
+            runfile.put_attempt(self.volume.run_file, self._lock, self._attempt)
 
-    def _end_attempt(self, outcome: str) -> None:
+    def ended_training(self, outcome: str) -> None:
+        """How this attempt's training ended ("finished at step 40", "stopped by a signal at step 12 (exit 75)")."""
         if self._attempt is not None and "ended" not in self._attempt:
             self._attempt |= {"ended": time.time(), "outcome": outcome}
-            self._save_attempts()
+            runfile.put_attempt(self.volume.run_file, self._lock, self._attempt)
 
     def attempts(self) -> list[dict[str, Any]]:
         """Every attempt that trained on this volume, oldest first, this one last (while it runs: no `ended`)."""
-        return list((read_json(self.volume.run_file) or {}).get("attempts", [])) if self.enabled else []
-
-    def _save_attempts(self) -> None:
-        with self._lock:
-            kept = read_json(self.volume.run_file) or {}
-            attempts = [a for a in kept.get("attempts", []) if a.get("started") != self._attempt["started"]] + [dict(self._attempt)]
-            write_json(self.volume.run_file, kept | {"attempts": attempts})
+        return runfile.attempts(self.volume.run_file) if self.enabled else []
 
     def _open_run(self) -> None:
         """Continue the job's run if the volume names one, else start it and log the effective configuration; then
@@ -132,7 +124,7 @@ class Tracker:
         began = time.perf_counter()
         experiment_id = store.connect(self.settings)
         client = MlflowClient()
-        run_id = (read_json(self.volume.run_file) or {}).get("run_id")
+        run_id = runfile.run_id(self.volume.run_file)
         run = None
         if run_id:
             try:
@@ -145,9 +137,7 @@ class Tracker:
             run = client.create_run(experiment_id, tags=resolve_tags(), run_name=self.config.run_name)
             params = settings_table.as_params(self.settings) | {"precision": self.config.precision.name}
             client.log_batch(run.info.run_id, params=[Param(key, value) for key, value in params.items()], synchronous=True)
-            with self._lock:  # the attempts in it are written from the job's thread
-                kept = read_json(self.volume.run_file) or {}
-                write_json(self.volume.run_file, kept | {"run_id": run.info.run_id, "tracking_uri": redact(client.tracking_uri)})
+            runfile.update(self.volume.run_file, self._lock, run_id=run.info.run_id, tracking_uri=redact(client.tracking_uri))
         if self.settings.system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # what mlflow.start_run starts
 
