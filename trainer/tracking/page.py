@@ -176,7 +176,7 @@ GROUPS = [
     ("Training", lambda k: True),
 ]
 UNITS = {"loss": "nats per token", "tokens_per_s": "tokens/s", "mem_gb": "GB", "mfu": "fraction of peak", "eta_s": "s", "epoch": "epochs",
-         "learning_rate": "", "grad_norm": "", "num_tokens": "tokens", "mean_token_accuracy": "fraction", "entropy": "nats"}
+         "learning_rate": "", "grad_norm": "", "num_tokens": "tokens", "total_flos": "FLOPs", "mean_token_accuracy": "fraction", "entropy": "nats"}
 
 
 def unit(key: str) -> str:
