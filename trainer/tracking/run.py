@@ -42,6 +42,7 @@ from trainer.tracking.outbox import Outbox
 from trainer.tracking.server import gist, redact, servers_answer
 
 STOPPING_SECONDS = 10.0  # a stopped or failed job waits this long for the server before keeping the rest on the volume
+OPENING_SECONDS = 120.0  # a run still opening when the job ends (a fresh store on a busy machine): waited for at least this long
 
 
 class Tracker:
@@ -171,7 +172,7 @@ class Tracker:
             return
         self._open = False
         end_by = self.end_deadline() if status == "FINISHED" else time.monotonic() + STOPPING_SECONDS
-        self._opening.join(max(0.0, end_by - time.monotonic()))
+        self._wait_until_open(OPENING_SECONDS if status == "FINISHED" else STOPPING_SECONDS)
         if self._monitor is not None:
             self._monitor.finish()
         with self._lock:
@@ -215,8 +216,10 @@ class Tracker:
         """Register the saved MLflow model under FT_REGISTERED_MODEL once the run has what is queued for it; return
         'name/version' (trainer/tracking/registry.py retries it)."""
         end_by = self.end_deadline()
-        self._opening.join(max(0.0, end_by - time.monotonic()))
+        self._wait_until_open(OPENING_SECONDS)
         self._raise_failure()
+        if self.run_id is None:
+            raise RegistrationFailed(f"the MLflow run did not open within {OPENING_SECONDS:.0f} s; the trained model is saved at {os.path.abspath(model_dir)}. Re-run the job to register it (without training).")
         with self._lock:
             outbox = self._outbox
         if outbox is not None:
@@ -279,6 +282,11 @@ class Tracker:
             if not self._facts:
                 return {}
             return self._facts | {"metrics": {key: points[-1][1] for key, points in self._history.items() if points}}
+
+    def _wait_until_open(self, at_least: float) -> None:
+        """The opening thread, waited for until the end of FT_REGISTRATION_RETRY_SECONDS but never less than `at_least`:
+        the deadline is for a server that does not answer, not for a store that is still being created."""
+        self._opening.join(max(at_least, (self._end_by or 0.0) - time.monotonic()))
 
     def _background(self, stage):
         def run() -> None:
