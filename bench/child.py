@@ -143,8 +143,9 @@ def fulltune_config(args, work: str, name: str, overrides: dict[str, str], cuda:
     return job_config.build(settings, cuda=cuda, bf16_supported=cuda and torch.cuda.is_bf16_supported())
 
 
-def fulltune(config: Any, timer: Any = None) -> Any:
-    """The job's trainer: the stages trainer/job.py runs before training, then `job.build_trainer` itself."""
+def fulltune(config: Any, timer: Any = None, tracker: Any = None) -> Any:
+    """The job's trainer: the stages trainer/job.py runs before training, then `job.build_trainer` itself
+    (`tracker`: the job's MLflow run, none with --no-mlflow)."""
     from trainer import job
     from trainer.data import prepare as data
     from trainer.model import loading as model
@@ -158,7 +159,7 @@ def fulltune(config: Any, timer: Any = None) -> Any:
     if config.cuda:  # random-init weights built on the GPU, in the precision's weight dtype (bf16 for bf16-sr)
         net = _gpu_model(settings.model, config.precision.dtype())
         net.config.pad_token_id = tokenizer.pad_token_id
-    trainer = job.build_trainer(config, tokenizer, prepared, plan, net=net, callbacks=(timer,) if timer is not None else ())
+    trainer = job.build_trainer(config, tokenizer, prepared, plan, tracker=tracker, net=net, callbacks=(timer,) if timer is not None else ())
     layout = f"{plan.sequences_per_pass}x{plan.passes_per_step}, {memory.checkpointing_label(plan.checkpoint_every, plan.layers)}"
     trainer.bench_layout = f"{layout}, {'on' if recipe.padding_free(settings, config.cuda) else 'off'}"
     return trainer
@@ -229,12 +230,14 @@ def run(args) -> dict:
             context = mlflow.start_run(run_name=f"bench-{name}", log_system_metrics=True)
     else:
         config = fulltune_config(args, work, name, overrides, cuda)
-        trainer = fulltune(config, timer)
+        tracker = None
         if not args.no_mlflow:  # the job's own MLflow run, as job.run opens it around training
-            from trainer.tracking import run as tracking
+            from trainer.tracking.run import Tracker
 
-            tracking.configure(config.settings)
-            context = tracking.job_run(config)
+            tracker = Tracker(config)
+            tracker.start()
+            context = tracker
+        trainer = fulltune(config, timer, tracker)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with context:

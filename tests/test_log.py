@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -85,3 +86,59 @@ def test_a_missing_key_that_is_not_a_tied_weight_is_still_reported():
     finally:
         logger.removeHandler(handler)
     assert seen == ["There were missing keys in the checkpoint model loaded: ['lm_head.weight', 'model.norm.weight']."]
+
+
+LIBRARY_LINE = re.compile(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (INFO|DEBUG) ", re.M)  # MLflow's own format
+
+
+def summary_of(log: str) -> dict[str, str]:
+    lines = [line for line in log.splitlines() if line.startswith("fulltune: summary ")]
+    assert len(lines) == 1, log
+    return progress.parse_line(lines[0].replace("fulltune: summary ", "fulltune: "))
+
+
+@pytest.mark.slow  # the demo job, 10 steps, in a subprocess
+def test_the_log_has_no_library_info_line_and_ends_on_a_summary_of_the_run(demo_log):
+    out, log = demo_log
+    assert not LIBRARY_LINE.search(log), LIBRARY_LINE.findall(log)
+    assert "Creating initial MLflow database tables" not in log and "system metrics monitoring" not in log
+    stdout_lines = [line for line in log.splitlines() if line.startswith("fulltune: ")]
+    assert stdout_lines[-1].startswith("fulltune: summary "), "the summary is the job's last line"
+    summary = summary_of(log)
+    mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow/mlflow.db")
+    run = mlflow.search_runs(search_all_experiments=True, output_format="list")[0]
+    assert summary["exit"] == "0" and summary["steps"] == "10/10"
+    assert summary["eval_loss"] == f"{run.data.metrics['eval_loss']:.4f}"
+    assert summary["model"] == str(out / "final" / "model") and summary["registered"] == "demo.default.tiny_qwen3_assistant/1"
+    assert 0 < float(summary["wall_s"]) < 600
+
+
+@pytest.mark.slow  # the demo job, 3 steps, in a subprocess
+def test_log_level_debug_shows_the_libraries_lines_and_a_run_shorter_than_the_logging_steps_prints_its_loss(tmp_path):
+    env = job_env(tmp_path / "volume", FT_PRESET="demo", FT_MAX_STEPS="3", FT_LOGGING_STEPS="10", FT_EVAL_STEPS="3", FT_SAVE_STEPS="3", FT_REGISTERED_MODEL="", FT_LOG_LEVEL="debug")
+    result = run_job(env)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    assert "INFO mlflow" in log, "FT_LOG_LEVEL=debug keeps MLflow's INFO lines"
+    assert re.search(r"^fulltune: debug: start-up: data checked at [0-9.]+ s$", log, re.M)
+    losses = [line for line in log.splitlines() if line.startswith("fulltune: step=3/3 loss=")]
+    assert len(losses) == 1, "the last step's training loss, though FT_LOGGING_STEPS=10 is longer than the run"
+    summary = summary_of(log)
+    assert summary["steps"] == "3/3" and "registered" not in summary
+
+
+@pytest.mark.slow  # the training process starts, then refuses the data
+def test_refused_data_prints_each_bad_row_once_and_the_summary_says_exit_2(demo_assets, tmp_path):
+    import json
+
+    rows = [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": f"hi {i}"}]} for i in range(20)]
+    rows[7]["messages"][0]["role"] = "wizard"
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = run_job(job_env(tmp_path / "volume", FT_MODEL=str(demo_assets / "model"), FT_DATASET=str(data), FT_REGISTERED_MODEL=""))
+    log = result.stdout + result.stderr
+    assert result.returncode == 2, log
+    assert len([line for line in log.splitlines() if "wizard" in line]) == 1, log
+    assert "fulltune: data: fulltune" not in log
+    summary = summary_of(result.stdout)
+    assert summary["exit"] == "2" and "model" not in summary and "steps" not in summary

@@ -71,6 +71,11 @@ def test_each_chart_draws_the_runs_mlflow_metric_history(reported_job):
     assert written == [("step 3", str(out / "report.html")), ("step 6", str(out / "report.html")), ("final", str(out / "report.html"))]
 
 
+def conversation(prompt: str) -> str:
+    """A ChatML prompt's turns as the page's cell reads once its tags are stripped: each role, then what it said."""
+    return "".join(role + text.strip() for role, text in re.findall(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", prompt, re.S))
+
+
 @pytest.mark.slow  # the demo job, 6 steps, in a subprocess
 def test_the_report_is_on_the_volume_and_in_the_mlflow_run_with_what_a_user_looks_for(reported_job, tmp_path):
     out, _, run, page = reported_job
@@ -82,13 +87,56 @@ def test_the_report_is_on_the_volume_and_in_the_mlflow_run_with_what_a_user_look
     shown = lambda answer: answer or "(empty: only special tokens or none)"  # noqa: E731
     before, after = ([s for s in samples if s["step"] == step] for step in (0, 6))
     expected = [["Prompt", "Reference", "Step 0 (base model)", "Step 6"]]
-    expected += [[b["prompt"], b["reference"], shown(b["answer"]), shown(a["answer"])] for b, a in zip(before, after, strict=True)]
+    expected += [[conversation(b["prompt"]), b["reference"], shown(b["answer"]), shown(a["answer"])] for b, a in zip(before, after, strict=True)]
     assert table_after(page, "Sample answers") == expected and len(expected) == 5
+    assert "im_start" not in page.split("<h2>Sample answers</h2>", 1)[1].split("<h2>", 1)[0], "prompts shown as turns, not as template markup"
     peak = max(m.value for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, "mem_gb"))
     assert f"<th>measured peak</th><th class=n>{peak:.3g} GB</th>" in page and "<th>planned peak</th>" in page
     assert html.escape((out / "data-report.txt").read_text(encoding="utf-8")) in page
     assert re.search(r"<td>eval_loss</td><td class=n>[0-9.]+</td>", page)
     assert not list(out.glob("report.html.*")), "no temporary file left beside it"
+
+
+@pytest.mark.slow  # the demo job, 6 steps, in a subprocess
+def test_the_page_is_titled_by_the_run_and_shows_its_settings_attempts_units_and_absolute_locations(reported_job):
+    out, _, run, page = reported_job
+    assert f"<h1>{html.escape(run.info.run_name)}</h1>" in page
+    settings = dict(row for row in table_after(page, "Hyperparameters"))
+    assert settings["FT_MAX_STEPS"] == "6" and settings["FT_OUTPUT_DIR"] == str(out) and settings["FT_PRESET"] == "demo"
+    attempts = table_after(page, "Attempts")
+    assert [row[2:4] for row in attempts] == [["Training", "Ended"], ["from step 0", "finished at step 6"]]
+    assert re.search(r"Wall time \d+ s over 1 attempt\(s\)\.", page)
+    where = dict(table_after(page, "Where things are"))
+    assert where["Final model (transformers folder)"] == str(out / "final" / "model") and where["Run report"] == str(out / "report.html")
+    assert where["Checkpoints"].startswith(f"{out / 'checkpoints'} (committed: checkpoint-3, checkpoint-6")
+    assert re.search(r"<td>tokens_per_s</td><td class=n>[0-9.e+]+</td><td>tokens/s</td>", page) and "<h3>Validation</h3>" in page
+    assert "data-plan-gb" not in charts(page)["memory"][0], "on CPU the GPU plan is not drawn against the process's RSS"
+
+
+def test_secrets_are_masked_each_attempt_is_a_row_and_prompts_are_turns():
+    page = report.render(
+        {
+            "title": "my-run", "status": "stopped", "final": False, "written": "now",
+            "job": {"model": "m", "data": "d", "precision": "fp32", "max_steps": 10},
+            "history": {}, "run": {}, "data": "",
+            "samples": [{"step": 0, "row": 1, "prompt": "<|im_start|>user\nReverse: a b<|im_end|>\n<|im_start|>assistant\n", "reference": "b a", "answer": "b a"}],
+            "plan": {"peak": 2e9, "breakdown": {"weights": 2e9}, "described": "plan", "cuda": True},
+            "where": {"checkpoints": "/v/checkpoints", "committed": ["checkpoint-4"]},
+            "hyperparameters": {"FT_MAX_STEPS": "10", "FT_API_TOKEN": "tok-do-not-leak", "FT_DATASET": "https://bob:pw-do-not-leak@host/d.jsonl"},
+            "attempts": [
+                {"started": 1000.0, "from_step": 0, "ended": 1060.0, "outcome": "stopped by a signal at step 4 (exit 75)"},
+                {"started": 1100.0, "from_step": 4, "ended": 1130.0, "outcome": "finished at step 10"},
+            ],
+        }
+    )
+    assert "do-not-leak" not in page
+    assert table_after(page, "Sample answers")[1][0] == "userReverse: a b" and "im_start" not in page, "the prompt as its turns"
+    assert dict(table_after(page, "Hyperparameters"))["FT_API_TOKEN"] == "****"
+    assert [row[2:] for row in table_after(page, "Attempts")[1:]] == [
+        ["from step 0", "stopped by a signal at step 4 (exit 75)", "60 s"],
+        ["resumed from step 4", "finished at step 10", "30 s"],
+    ]
+    assert "Wall time 90 s over 2 attempt(s)." in page and 'data-plan-gb="2.0"' in page  # on a GPU the plan is drawn
 
 
 DECODED = """<script>

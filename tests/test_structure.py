@@ -56,12 +56,13 @@ def test_the_folders_imports_point_one_way():
     assert {(source, target) for source, target, _ in edges if source == "launch"} <= {("launch", "core")}
 
 
-def test_only_the_tracking_module_imports_mlflow():
+def test_only_the_tracking_folder_imports_mlflow():
     """serving/ is the one exception: it is no part of the job but the saved model's code, which MLflow copies into
     the model and runs in the serving process (pyfunc.py subclasses mlflow.pyfunc.PythonModel), and the command that
     fetches a registered model for the OpenAI-compatible server (openai_server.py); neither opens a run."""
     importers = [_name(path) for path in CODE if any(name == "mlflow" or name.startswith("mlflow.") for name in _imports(path))]
-    assert importers == ["serving/openai_server.py", "serving/pyfunc.py", "tracking/run.py"]
+    assert [name for name in importers if not name.startswith("tracking/")] == ["serving/openai_server.py", "serving/pyfunc.py"]
+    assert "tracking/run.py" in importers
 
 
 @pytest.mark.parametrize("module", ["pyfunc.py", "openai_server.py"])

@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import diskfull, divergence, preemption
 from trainer.core import config as job_config
 from trainer.core import ranks
+from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.errors import Preempted, exit_code_for, record_exit
 from trainer.core.volume import Volume, follow_umask, staged
@@ -21,15 +23,18 @@ from trainer.data import demo
 from trainer.data import prepare as data
 from trainer.model import hub, memory, recipe, sharding
 from trainer.model import loading as model
-from trainer.tracking import progress, report, samples
-from trainer.tracking import run as tracking
+from trainer.tracking import packaging, progress, report, samples, summary
 from trainer.tracking import server as tracking_server
+from trainer.tracking.run import MetricsCallback, Tracker
+
+STARTED = time.perf_counter()  # the training process's start, for the summary line and FT_LOG_LEVEL=debug's timings
 
 
-def run(config: Config) -> None:
+def run(config: Config, tracker: Tracker) -> None:
     settings = config.settings
     stopper = preemption.StopOnSignal(settings.stop_deadline_seconds)  # first: a stop during loading is seen
-    progress.quiet_libraries()
+    progress.quiet_libraries(settings.log_level)
+    _debug(settings, "imported")
     ranks.start(config)  # several processes: join them, and check they all run this configuration
     volume = Volume(settings.output_dir)
     status = volume.status()
@@ -37,11 +42,11 @@ def run(config: Config) -> None:
         print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
     tracking_server.check_reachable()  # seconds, before anything is downloaded, when MLFLOW_TRACKING_URI names a server that does not answer
+    tracker.warm_up()  # MLflow imported and the URI checked in the background, while the plan and the data are checked
     if status.final_model:  # trained and saved by an earlier attempt whose registration (or tracking) failed (exit 3)
         if ranks.is_main():
-            tracking.configure(settings)
-            with tracking.job_run(config):
-                _register(config, volume, status.metadata)
+            with tracker:
+                _register(config, volume, status.metadata, tracker)
         return
 
     if settings.preset == "demo":
@@ -53,28 +58,56 @@ def run(config: Config) -> None:
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     checkpoints.check_fingerprint(config)
     _print_plan(config, prepared, plan)
-    tracking.configure(settings)
-    with tracking.job_run(config):
-        tracking.log(**data.tracked(prepared.report))
-        run_report = report.RunReport(config, plan, prepared.report)
-        trainer = train(config, tokenizer, prepared, plan, stopper, run_report)
-        metadata = save_final(config, trainer, tokenizer, volume)
+    _debug(settings, "data checked")
+    tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
+    with tracker:
+        tracker.log(**data.tracked(prepared.report))
+        run_report = report.RunReport(_report_facts(config, plan, prepared), tracker, committed=lambda: _committed(volume))
+        trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker)
+        metadata = save_final(config, trainer, tokenizer, volume, tracker)
         if ranks.is_main():
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
             try:
-                _register(config, volume, metadata)
+                _register(config, volume, metadata, tracker)
             finally:
                 run_report.finished()  # also after a failed registration (exit 3): it says where the model is
 
 
-def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, net: Any = None, callbacks: tuple = ()) -> Any:
+def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared) -> report.ReportFacts:
+    settings = config.settings
+    return report.ReportFacts(
+        title=config.run_name,
+        model=settings.model,
+        data=settings.dataset,
+        precision=config.precision.name,
+        max_steps=settings.max_steps,
+        output_dir=settings.output_dir,
+        plan={"peak": plan.peak, "breakdown": plan.breakdown, "described": plan.describe(), "cuda": config.cuda},
+        data_report=data.report_text(prepared.report),
+        hyperparameters=settings_table.as_params(settings),
+    )
+
+
+def _committed(volume: Volume) -> list[str]:
+    return [os.path.basename(path) for _, path in checkpoints.committed(volume.checkpoints)]
+
+
+def _debug(settings: Any, stage: str) -> None:
+    """FT_LOG_LEVEL=debug: when each start-up stage ended, in seconds since the training process started (bench/startup.py)."""
+    if settings.log_level == "debug":
+        print(f"fulltune: debug: start-up: {stage} at {time.perf_counter() - STARTED:.2f} s", flush=True)
+
+
+def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = ()) -> Any:
     """The job's SFTTrainer for a configuration (bench/ measures exactly this one).
 
-    `net`: an already built model instead of loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
+    `tracker`: the job's run (none: a Trainer that tracks nothing); `net`: an already built model instead of
+    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
     """
     from transformers import EarlyStoppingCallback, PrinterCallback
 
     settings, cuda = config.settings, config.cuda
+    tracker = tracker or Tracker(config, enabled=False)
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
     progress.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
     eval_rows = recipe.eval_rows(settings, prepared.eval)
@@ -92,10 +125,10 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
             checkpoints.CommitCheckpoints(settings.save_total_limit, Volume(settings.output_dir).incomplete),
             *callbacks,
             *([sharding.ReportShards()] if plan.strategy == "fsdp" else []),
-            *_sample_answers(config, tokenizer, prepared, plan),
+            *_sample_answers(config, tokenizer, prepared, plan, tracker),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
-            tracking.MetricsCallback(),
-            progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda),
+            MetricsCallback(tracker),
+            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda),
             divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit),  # last: the diverged loss is logged and printed first
         ],
     )
@@ -103,17 +136,17 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     return trainer
 
 
-def _sample_answers(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan) -> list[Any]:
+def _sample_answers(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, tracker: Tracker) -> list[Any]:
     """The callback that answers FT_EVAL_SAMPLES validation prompts at step 0 and every evaluation (none under FSDP)."""
     settings = config.settings
     if not settings.eval_samples or prepared.eval is None or plan.strategy == "fsdp":
         return []
     chosen = samples.pick(prepared.eval, settings.eval_samples, settings.seed, tokenizer)
     bf16 = config.cuda and config.precision.bf16
-    return [samples.SampleAnswers(tokenizer, chosen, settings.eval_sample_tokens, settings.output_dir, bf16)] if chosen else []
+    return [samples.SampleAnswers(tracker, tokenizer, chosen, settings.eval_sample_tokens, settings.output_dir, bf16)] if chosen else []
 
 
-def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport) -> Any:
+def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport, tracker: Tracker) -> Any:
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
     volume = Volume(config.settings.output_dir)
@@ -121,16 +154,19 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
     resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
     if stopper.requested:
         raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-    trainer = build_trainer(config, tokenizer, prepared, plan, callbacks=(stopper,))
+    trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper,))
     trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
+    tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
     print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
     with diskfull.reported(volume.root, lambda: _full_during_training(config, trainer, volume)):
         trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
+        tracker.ended_training(f"stopped by a signal at step {trainer.state.global_step} (exit 75)")
         run_report.stopped(trainer.state.global_step)
         raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
     if trainer.state.global_step < trainer.state.max_steps:
-        _stopped_early(config, trainer)
+        _stopped_early(config, trainer, tracker)
+    tracker.ended_training(f"finished at step {trainer.state.global_step}")
     return trainer
 
 
@@ -152,7 +188,7 @@ def _full_elsewhere(volume: Volume) -> tuple[str, int, str]:
     return "a checkpoint of this job", checkpoints.committed_bytes(last), kept
 
 
-def _stopped_early(config: Config, trainer: Any) -> None:
+def _stopped_early(config: Config, trainer: Any, tracker: Tracker) -> None:
     """EarlyStoppingCallback ended training before FT_MAX_STEPS: say so in the log and on the run."""
     state, patience = trainer.state, config.settings.early_stopping_patience
     best = os.path.basename(state.best_model_checkpoint or "")
@@ -161,12 +197,12 @@ def _stopped_early(config: Config, trainer: Any) -> None:
         f" (FT_EARLY_STOPPING_PATIENCE); best eval_loss={state.best_metric:.4f} at {best}, which becomes the final model",
         flush=True,
     )
-    tracking.log(tags={"stopped_early_at_step": str(state.global_step), "best_checkpoint": best})
+    tracker.log(tags={"stopped_early_at_step": str(state.global_step), "best_checkpoint": best})
 
 
-def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume) -> dict[str, str]:
+def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume, tracker: Tracker) -> dict[str, str]:
     """Save the best model once, whole (whatever the sharding was), in its serving precision, as an MLflow
-    transformers model (tracking.save_model).  Rank 0 writes; under FSDP every rank first helps gather it."""
+    model (tracking/packaging.py); its metadata goes to the run too.  Rank 0 writes; under FSDP every rank first helps gather it."""
     net = _whole_model(trainer, volume)
     if not ranks.is_main():
         return {}
@@ -182,9 +218,10 @@ def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume) -> 
     }
     with diskfull.reported(volume.root, lambda: _full_during_final_save(config, n_params, volume)):
         with staged(volume.final) as partial:
-            tracking.save_model(net, tokenizer, partial, metadata, served_name=_served_name(settings.registered_model, metadata["pretrained_model_name"]))
+            packaging.save_model(net, tokenizer, partial, metadata, served_name=_served_name(settings.registered_model, metadata["pretrained_model_name"]))
             follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
         volume.mark_saved(metadata)
+    tracker.log(artifacts={"model_metadata.json": metadata})
     shutil.rmtree(volume.gathered, ignore_errors=True)
     return metadata
 
@@ -213,10 +250,10 @@ def _whole_model(trainer: Any, volume: Volume) -> Any:
     return AutoModelForCausalLM.from_pretrained(gathered) if ranks.is_main() else None
 
 
-def _register(config: Config, volume: Volume, metadata: dict[str, str]) -> None:
+def _register(config: Config, volume: Volume, metadata: dict[str, str], tracker: Tracker) -> None:
     if not config.settings.registered_model or volume.status().registered:  # registered by an attempt whose run could not be finished
         return
-    version = tracking.register(config.settings, volume.final, metadata)
+    version = tracker.register(volume.final, metadata)
     volume.mark_registered(version)
     print(f"fulltune: registered {version}", flush=True)
 
@@ -246,10 +283,13 @@ def main() -> int:
     if not ranks.is_main():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one progress log per job: rank 0's (errors still reach stderr)
     preemption.end_with_the_launcher()
+    config = tracker = None
     try:
         config = job_config.handed_over()
+        tracker = Tracker(config)
         with diskfull.reported(config.settings.output_dir, lambda: _full_elsewhere(Volume(config.settings.output_dir))):
-            run(config)
+            run(config, tracker)
+        code = 0
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code
         if isinstance(error, SystemExit):
             raise
@@ -258,8 +298,9 @@ def main() -> int:
 
             traceback.print_exc()
         code = exit_code_for(error)
-        record_exit(code)
-        return code
+    if ranks.is_main() and config is not None:
+        settings = config.settings
+        print(summary.line(code, time.perf_counter() - STARTED, tracker, settings.output_dir, settings.max_steps), flush=True)
     sys.stdout.flush()
-    record_exit(0)
-    return 0
+    record_exit(code)
+    return code

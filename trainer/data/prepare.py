@@ -226,19 +226,22 @@ def report_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_report(settings: Settings, report: dict) -> str:
+def _write_report(settings: Settings, report: dict, show: bool = True) -> str:
+    """`show`: print it too; a failure does not, since its error lists the bad rows (they would show twice)."""
     path = Volume(settings.output_dir).data_report
     if not ranks.is_main():  # the others only read what rank 0 wrote
         return path
     os.makedirs(settings.output_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(report_text(report))
-    print("fulltune: data: " + report_text(report).rstrip().replace("\n", "\nfulltune: data: "), flush=True)
+    if show:
+        heading, *lines = report_text(report).rstrip().split("\n")
+        print("\n".join([f"fulltune: {heading.removeprefix('fulltune ')}: {os.path.abspath(path)}", *(f"fulltune: data: {line}" for line in lines)]), flush=True)
     return path
 
 
 def _fail(settings: Settings, report: dict, why: str) -> None:
-    path = _write_report(settings, report)
+    path = _write_report(settings, report, show=False)
     shown = [f"  {'' if name == 'train' else 'FT_EVAL_DATASET '}{line}" for name, part in report["sources"].items() for line in part["bad_shown"]]
     counts = ", ".join(f"{count} x {reason}" for part in report["sources"].values() for reason, count in part["bad_by_reason"].items())
     raise DataError("\n".join([f"{why}" + (f" ({counts})" if counts else ""), *shown, f"  full report: {path}"]))

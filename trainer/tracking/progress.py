@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import os
 import resource
 import sys
 import time
@@ -24,7 +25,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainer.model.estimate import shape
-from trainer.tracking import run as tracking
+from trainer.tracking.run import Tracker
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
 
@@ -65,12 +66,20 @@ def memory_gb(cuda: bool) -> float:
     return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB elsewhere
 
 
-def quiet_libraries() -> None:
-    """Keep the job's log to what a user reads: transformers' bars at every weight load and checkpoint write
-    ("Loading weights", "Writing model shards") are off; hub downloads keep theirs."""
+def quiet_libraries(log_level: str) -> None:
+    """Keep the job's log to what a user reads (FT_LOG_LEVEL=info): MLflow's INFO lines ("Creating initial MLflow
+    database tables...", "Started monitoring system metrics.") are left out, and transformers' bars at every weight
+    load and checkpoint write ("Loading weights", "Writing model shards") are off; hub downloads keep theirs.
+    FT_LOG_LEVEL=debug keeps both libraries as they are, at INFO."""
     from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()
+    level = "INFO" if log_level == "debug" else "WARNING"
+    os.environ["MLFLOW_LOGGING_LEVEL"] = level  # read when MLflow is first imported (in the tracker's thread)...
+    logging.getLogger("mlflow").setLevel(level)  # ...and for an MLflow already imported
+    if log_level == "debug":
+        transformers_logging.set_verbosity_info()
+    else:
+        transformers_logging.disable_progress_bar()
 
 
 class TiedWeightsReload(logging.Filter):
@@ -107,12 +116,13 @@ def expect_tied_weights(net: Any) -> None:
 class Progress(TrainerCallback):
     """Print the progress line at every logging step and log its numbers to the active MLflow run.
 
-    Its numbers go to the job's run through tracking.log_metrics (the Trainer's own `logs` are logged by
-    tracking.MetricsCallback).
+    Its numbers go to the job's run through the tracker (the Trainer's own `logs` are logged by
+    tracking.run.MetricsCallback).  The last step is always logged, so a run shorter than FT_LOGGING_STEPS
+    still prints its training loss.
     """
 
-    def __init__(self, config: Any, n_params: int, sequences_per_step: int, cuda: bool):
-        self.config, self.n_params, self.sequences_per_step, self.cuda = config, n_params, sequences_per_step, cuda
+    def __init__(self, tracker: Tracker, config: Any, n_params: int, sequences_per_step: int, cuda: bool):
+        self.tracker, self.config, self.n_params, self.sequences_per_step, self.cuda = tracker, config, n_params, sequences_per_step, cuda
         self.peak = None
         if cuda:
             import torch
@@ -133,6 +143,8 @@ class Progress(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.step_started is not None:
             self.step_time += time.perf_counter() - self.step_started
+        if state.global_step >= state.max_steps:
+            control.should_log = True  # the Trainer logs every FT_LOGGING_STEPS only: the last loss would go unseen
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -160,5 +172,5 @@ class Progress(TrainerCallback):
             "eta_s": eta,
         }
         print(format_line(values), flush=True)
-        tracking.log_metrics({k: v for k, v in values.items() if k in ("tokens_per_s", "mfu", "mem_gb", "eta_s") and v is not None}, state.global_step)
+        self.tracker.log_metrics({k: v for k, v in values.items() if k in ("tokens_per_s", "mfu", "mem_gb", "eta_s") and v is not None}, state.global_step)
         self.last_tokens, self.last_step, self.step_time = float(logs["num_tokens"]), state.global_step, 0.0

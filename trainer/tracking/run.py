@@ -1,37 +1,33 @@
-"""MLflow, and nothing else imports it: one run per job (kept across restarts), its parameters, metrics and
-artifacts, the saved model, and the model registry.
+"""The job's MLflow run as one object, `Tracker`: one run per job (kept across restarts), what goes into it, and
+how it ends.  docs/tracking-notes.md describes the interface.
 
-    configure(settings)                 # the server, or the embedded store on the volume
-    with job_run(config) as run:        # FINISHED, KILLED (stopped: a restart continues it) or FAILED
-        log_metrics({...}, step)        # also what MetricsCallback sends at each Trainer log
-        log(tags=..., metrics=..., artifacts={"data/report.json": report})
-        log_file(volume.report)             # a file on the volume, as it is
-        save_model(net, tokenizer, volume.final, metadata, served_name)
-        register(settings, volume.final, metadata)
+    tracker = Tracker(config)
+    tracker.warm_up()                    # MLflow imported and the URI checked in the background; nothing written
+    tracker.start()                      # exit 2 now for a URI MLflow cannot use; the run opens in the background
+    with tracker:                        # FINISHED, KILLED (stopped: a restart continues it) or FAILED
+        tracker.log_metrics({...}, step)  # also MetricsCallback, at each Trainer log
+        tracker.log(tags=..., metrics=..., artifacts={"data/report.json": report})
+        tracker.register(volume.final, metadata)
 
-Metrics, tags and artifacts reach the server from a thread of its own (trainer/tracking/outbox.py), so a server
-that stops answering mid-run stalls nothing: they wait in memory, one line says so, and they are sent
-when it answers again.  At the end of the job, the rest of them, the registration and the run's status
-wait for it up to FT_REGISTRATION_RETRY_SECONDS; past that the job exits 3, the model kept and what was
-not sent written to the volume for the next attempt.  A server that does not answer at start ends the
-job within seconds (exit 1, trainer/tracking/server.py), before anything is downloaded.
+The run opens off the path to the first step: a fresh embedded store creates its tables (about 10 s on two busy
+cores), so that, the run's parameters and the system-metrics monitor are done by a thread while the model loads
+and trains; what is logged meanwhile waits in memory and goes first.  Everything then reaches the server from
+the outbox's thread (trainer/tracking/outbox.py), so an outage stalls nothing; at the end the rest, the
+registration and the run's status wait for it up to FT_REGISTRATION_RETRY_SECONDS, past which the job exits 3
+with what was not sent kept on the volume.  Rank 0 alone tracks (mlflow #11782); elsewhere every call is a no-op.
 
-With no MLFLOW_TRACKING_URI, tracking and the registry live in a SQLite file on the output volume,
-so a job needs no server and a restart finds its run again.  The run id is stored on the volume:
-the transformers MLflowCallback would start a new run on every restart (transformers #30563), and it
-logs every TrainingArguments field as a param; `MetricsCallback` replaces it (the job sets
-`report_to="none"`).
+The run id is kept on the volume (trainer/tracking/runfile.py): transformers' MLflowCallback would start a new run
+on every restart (transformers #30563) and log every TrainingArguments field; `MetricsCallback` replaces it.  The
+run is driven with MlflowClient and its id, never MLflow's "active run", which belongs to the thread that started it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import re
 import sys
+import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from transformers import TrainerCallback
@@ -39,409 +35,296 @@ from transformers import TrainerCallback
 from trainer.core import ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
-from trainer.core.errors import ConfigError, Preempted, RegistrationFailed, TrackingUnreachable
+from trainer.core.errors import Preempted, RegistrationFailed
 from trainer.core.volume import Volume, read_json, write_json
-from trainer.tracking.outbox import PROBE_TIMEOUT_SECONDS, Outbox
-from trainer.tracking.server import CONFIGURED_URI, MlflowLogFilter, gist, redact, server_uris, servers_answer
+from trainer.tracking import delivery, registry, runfile, store
+from trainer.tracking.outbox import Outbox
+from trainer.tracking.server import gist, redact, servers_answer
 
-_open_runs: list[str] = []  # the job's run while `job_run` holds it open
-_outbox: Outbox | None = None  # what goes to that run, sent in the background
-_history: dict[str, list[tuple[int, float]]] = {}  # every metric of the run, as sent or queued: the run report's data
-_run_facts: dict[str, str] = {}  # the run's id, experiment and redacted tracking URI
-_end_by: float | None = None  # time.monotonic() past which the end of the job stops waiting for the server
 STOPPING_SECONDS = 10.0  # a stopped or failed job waits this long for the server before keeping the rest on the volume
-FIRST_PAUSE_SECONDS, LONGEST_PAUSE_SECONDS = 5.0, 60.0  # between registration attempts
+OPENING_SECONDS = 120.0  # a run still opening when the job ends (a fresh store on a busy machine): waited for at least this long
 
 
-def embedded() -> bool:
-    """True when no tracking server is configured: the store is a SQLite file on the volume."""
-    return not CONFIGURED_URI
+class Tracker:
+    """One job's MLflow run: `start`, `log`/`log_metrics`/`log_table`/`log_file`, `finish`, `register`; the run's
+    record (`history`, `facts`) for the run report and the summary line, read from memory, never from the server."""
 
+    def __init__(self, config: Config, enabled: bool | None = None):
+        """`enabled`: False for a Trainer run without a job run (a benchmark, a test); default: rank 0 only."""
+        self.config, self.settings = config, config.settings
+        self.enabled = ranks.is_main() if enabled is None else enabled
+        self.volume = Volume(self.settings.output_dir)
+        self.run_id: str | None = None
+        self._lock = threading.Lock()
+        self._outbox: Outbox | None = None
+        self._early: list[dict[str, Any]] = []  # queued before the run exists; sent first, in order
+        self._history: dict[str, list[tuple[int, float]]] = {}  # every metric of the run, as sent or queued
+        self._facts: dict[str, str] = {}  # the run's id, experiment and redacted tracking URI
+        self._end_by: float | None = None  # time.monotonic() past which the end of the job stops waiting for the server
+        self._warming: threading.Thread | None = None
+        self._opening: threading.Thread | None = None
+        self._failure: BaseException | None = None  # of a background stage: raised in the job's thread at its next call
+        self._monitor: Any = None
+        self._open = False
+        self._attempt: dict[str, Any] | None = None  # this attempt's row of the job's attempts (the run file keeps them all)
+        self.last_step = 0
 
-def configure(settings: settings_table.Settings) -> str | None:
-    """Point MLflow at the configured server, or at the embedded store on the volume; return the URI.
-    Rank 0 alone tracks (one run per job, not one per rank: mlflow #11782)."""
-    if not ranks.is_main():
-        return None
-    # MLflow tags the run with the git commit of the code when it can; in the image there is no git executable, and
-    # GitPython would print a screenful about it at the first run (the tag is simply left out either way).
-    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact (log_table reads its table back to append)
-    import mlflow
+    # -- The run's lifecycle ------------------------------------------------------------------------
 
-    store = os.path.abspath(Volume(settings.output_dir).mlflow_store)
-    uri = CONFIGURED_URI or f"sqlite:///{os.path.join(store, 'mlflow.db')}"
-    if uri.startswith("sqlite:///"):
-        os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
-    mlflow.set_tracking_uri(uri)
-    if any(redact(u) != u for u in (uri, os.environ.get("MLFLOW_REGISTRY_URI", ""))):  # MLflow prints links built from them, password included
-        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-        os.environ["MLFLOW_PRINT_MODEL_URLS_ON_CREATION"] = "false"
-    if os.environ.get("MLFLOW_REGISTRY_URI"):
-        mlflow.set_registry_uri(os.environ["MLFLOW_REGISTRY_URI"])
-    for handler in logging.getLogger("mlflow").handlers:
-        handler.addFilter(MlflowLogFilter())
-    name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "fulltune")
-    try:
-        experiment = mlflow.get_experiment_by_name(name)
-    except mlflow.tracking.registry.UnsupportedModelRegistryStoreURIException as error:
-        raise _unsupported_store() from error
-    if experiment is None:
-        local = f"file://{os.path.join(store, 'artifacts')}" if embedded() else None
-        mlflow.create_experiment(name, artifact_location=local)
-    mlflow.set_experiment(name)
-    return uri
+    def warm_up(self) -> None:
+        """Import MLflow and check the tracking URI in the background, while the job checks its plan and data."""
+        if self.enabled and self._warming is None:
+            self._warming = _thread("fulltune-tracking-import", self._background(lambda: store.check_scheme(self.settings)))
 
+    def start(self) -> None:
+        """Open the job's run in the background; raise at once what the URI check found (ConfigError: exit 2)."""
+        if not self.enabled or self._opening is not None:
+            return
+        self.warm_up()
+        self._warming.join()
+        self._raise_failure()
+        self._open = True
+        self._opening = _thread("fulltune-tracking-start", self._background(self._open_run))
 
-def _unsupported_store() -> ConfigError:
-    """MLflow has no store for the URI's scheme: a plugin missing from the image, or a typo."""
-    named = {n: os.environ[n] for n in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI") if os.environ.get(n)}
-    shown = ", ".join(f"{n}={redact(v)!r}" for n, v in named.items())
-    hint = (
-        " `azureml://` needs the azureml-mlflow plugin, which pins an MLflow older than the image's; deploy/azureml/command-job.yml unsets the variable."
-        if any(v.startswith("azureml:") for v in named.values())
-        else ""
-    )
-    return ConfigError(
-        f"{shown}: this image's MLflow cannot track or register there (supported: http(s):// servers, databricks, "
-        f"databricks-uc, SQL databases, sqlite, file); unset MLFLOW_TRACKING_URI for the store on the volume.{hint}"
-    )
+    def __enter__(self) -> Tracker:
+        self.start()
+        return self
 
+    def __exit__(self, kind, error, traceback) -> None:
+        status = "FINISHED" if error is None else "KILLED" if isinstance(error, Preempted) else "FAILED"
+        outcome = {"FINISHED": "finished", "KILLED": "stopped (exit 75)", "FAILED": f"failed ({type(error).__name__})"}[status]
+        self.ended_training(f"{outcome} at step {self.last_step}")
+        self.finish(status, raising=error is None)
 
-@contextlib.contextmanager
-def job_run(config: Config) -> Iterator[Any]:
-    """The job's one MLflow run: FINISHED on success, KILLED when stopped (a restart continues it), else FAILED."""
-    if not ranks.is_main():
-        yield None
-        return
-    run = _start_run(config)
-    _open_runs.append(run.info.run_id)
-    status = "FAILED"
-    try:
-        yield run
-        status = "FINISHED"
-    except Preempted:
-        status = "KILLED"
-        raise
-    finally:
-        _open_runs.pop()
-        _finish(config, status)
+    def began_training(self, from_step: int, started: float) -> None:
+        """This attempt (its process started at `started`, time.time()) trains from step 0 or a checkpoint: a row of
+        the report's attempts, kept on the volume with the earlier ones."""
+        self.last_step = from_step
+        if self.enabled:
+            self._attempt = {"started": started, "from_step": from_step}
+            runfile.put_attempt(self.volume.run_file, self._lock, self._attempt)
 
+    def ended_training(self, outcome: str) -> None:
+        """How this attempt's training ended ("finished at step 40", "stopped by a signal at step 12 (exit 75)")."""
+        if self._attempt is not None and "ended" not in self._attempt:
+            self._attempt |= {"ended": time.time(), "outcome": outcome}
+            runfile.put_attempt(self.volume.run_file, self._lock, self._attempt)
 
-def _start_run(config: Config) -> Any:
-    """Continue the job's run if the volume names one, else start it and log the effective configuration; start
-    sending to it, first what an earlier attempt could not send."""
-    global _outbox
-    import mlflow
+    def attempts(self) -> list[dict[str, Any]]:
+        """Every attempt that trained on this volume, oldest first, this one last (while it runs: no `ended`)."""
+        return runfile.attempts(self.volume.run_file) if self.enabled else []
 
-    volume = Volume(config.settings.output_dir)
-    run_id = (read_json(volume.run_file) or {}).get("run_id")
-    if run_id:
-        try:
-            mlflow.get_run(run_id)
-        except mlflow.exceptions.MlflowException:
-            print(f"fulltune: MLflow run {run_id} named on the volume is not on this server: starting a new run", flush=True)
-            run_id = None
-    run = mlflow.start_run(run_id=run_id, run_name=None if run_id else config.run_name, log_system_metrics=config.settings.system_metrics)
-    if run_id is None:
-        mlflow.log_params(settings_table.as_params(config.settings) | {"precision": config.precision.name})
-        write_json(volume.run_file, {"run_id": run.info.run_id, "tracking_uri": redact(mlflow.get_tracking_uri())})
-    _outbox = Outbox(lambda item: _send(run.info.run_id, item), servers_answer, redact(mlflow.get_tracking_uri()), gist)
-    unsent = read_json(volume.unsent_tracking, []) if run_id else []
-    _recall(run, unsent)
-    for item in reversed(unsent):
-        _outbox.put(item, size=_size(item), first=True)
-    if unsent:
-        print(f"fulltune: sending {sum(map(_size, unsent))} values an earlier attempt could not send to the tracking server", flush=True)
-    return run
+    def _open_run(self) -> None:
+        """Continue the job's run if the volume names one, else start it and log the effective configuration; then
+        send to it what an earlier attempt could not send, then what was logged while it opened."""
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking.context.registry import resolve_tags
 
+        began = time.perf_counter()
+        experiment_id = store.connect(self.settings)
+        client = MlflowClient()
+        run_id = runfile.run_id(self.volume.run_file)
+        run = None
+        if run_id:
+            try:
+                run = client.get_run(run_id)
+                client.update_run(run_id, status="RUNNING")
+            except MlflowException:
+                print(f"fulltune: MLflow run {run_id} named on the volume is not on this server: starting a new run", flush=True)
+                run = None
+        if run is None:
+            run = client.create_run(experiment_id, tags=resolve_tags(), run_name=self.config.run_name)
+            params = settings_table.as_params(self.settings) | {"precision": self.config.precision.name}
+            client.log_batch(run.info.run_id, params=[Param(key, value) for key, value in params.items()], synchronous=True)
+            runfile.update(self.volume.run_file, self._lock, run_id=run.info.run_id, tracking_uri=redact(client.tracking_uri))
+        if self.settings.system_metrics:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # what mlflow.start_run starts
 
-def _finish(config: Config, status: str) -> None:
-    """Send what is queued and end the run with `status`, waiting for the server no longer than the end of the job
-    may (a stopped or failed job: STOPPING_SECONDS); what is still unsent is kept on the volume for the next attempt.
-    Raises RegistrationFailed (exit 3) when a job that succeeded could not finish its run."""
-    global _outbox
-    import mlflow
-
-    volume = Volume(config.settings.output_dir)
-    end_by = _end_deadline(config.settings) if status == "FINISHED" else time.monotonic() + STOPPING_SECONDS
-    sent = _outbox.drain(end_by)
-    unsent, _outbox = _outbox.close(), None
-    try:
+            self._monitor = SystemMetricsMonitor(run.info.run_id, resume_logging=run_id is not None)
+            self._monitor.start()
+        unsent = read_json(self.volume.unsent_tracking, []) if run_id else []
+        recalled = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] for key in sorted(run.data.metrics)}
+        outbox = Outbox(lambda item: delivery.send(run.info.run_id, item), servers_answer, redact(client.tracking_uri), gist)
+        with self._lock:
+            self.run_id = run.info.run_id
+            self._facts = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": redact(client.tracking_uri)}
+            for item in unsent:
+                _remember(recalled, item.get("metrics") or [])
+            for key, points in self._history.items():  # what this attempt logged while the run opened comes after
+                recalled.setdefault(key, []).extend(points)
+            self._history = recalled
+            for item in [*unsent, *self._early]:
+                outbox.put(item, size=delivery.size(item))
+            self._early, self._outbox = [], outbox
         if unsent:
-            write_json(volume.unsent_tracking, unsent)
-        elif os.path.exists(volume.unsent_tracking):
-            os.remove(volume.unsent_tracking)
-    except OSError as error:  # a full volume: the job's own error (exit 6) is the one to report
-        print(f"fulltune: {sum(map(_size, unsent))} values not sent to the tracking server could not be kept on the volume ({error.strerror})", file=sys.stderr, flush=True)
-    answering = sent and servers_answer()
-    with contextlib.nullcontext() if answering else _one_quick_try(), _without_warnings("mlflow.store.db.utils", "SQLAlchemy database error"):
-        try:
-            mlflow.end_run(status)  # an unanswered call still leaves no active run behind (MLflow's exit hook would retry it for minutes)
-        except Exception as error:  # noqa: BLE001 - the job's own outcome matters more than the run's status
+            print(f"fulltune: sending {sum(map(delivery.size, unsent))} values an earlier attempt could not send to the tracking server", flush=True)
+        if self.settings.log_level == "debug":
+            print(f"fulltune: debug: start-up: tracking started (store, run, system metrics) in the background, {time.perf_counter() - began:.2f} s", flush=True)
+
+    def finish(self, status: str, raising: bool = True) -> None:
+        """Send what is queued and end the run with `status`, waiting for the server no longer than the end of the
+        job may (a stopped or failed job: STOPPING_SECONDS); what is still unsent is kept on the volume for the next
+        attempt.  Raises RegistrationFailed (exit 3) when a job that succeeded could not finish its run, and, with
+        `raising`, what went wrong while the run opened."""
+        if not self._open:
+            return
+        self._open = False
+        end_by = self.end_deadline() if status == "FINISHED" else time.monotonic() + STOPPING_SECONDS
+        self._wait_until_open(OPENING_SECONDS if status == "FINISHED" else STOPPING_SECONDS)
+        if self._monitor is not None:
+            self._monitor.finish()
+        with self._lock:
+            outbox, self._outbox = self._outbox, None
+            early, self._early = self._early, []
+        sent = outbox.drain(end_by) if outbox is not None and not self._opening.is_alive() else False
+        unsent = (outbox.close() if outbox is not None else []) + early
+        self._keep_unsent(unsent)
+        if self._failure is not None and raising:
+            raise self._failure
+        answering = sent and servers_answer() and self.run_id is not None
+        if self.run_id is not None and not delivery.end_run(self.run_id, status, quick=not answering):
             answering = False
-            print(f"fulltune: the MLflow run stays RUNNING: marking it {status} failed ({gist(str(error))}); the job's next attempt finishes it", flush=True)
-    if status == "FINISHED" and not (sent and answering):
-        kept = f"; {sum(map(_size, unsent))} values not sent are kept in {volume.unsent_tracking}" if unsent else ""
-        failed = RegistrationFailed(
-            f"the MLflow tracking server {redact(mlflow.get_tracking_uri())} did not answer within FT_REGISTRATION_RETRY_SECONDS="
-            f"{config.settings.registration_retry_seconds}; the trained model is saved at {os.path.abspath(volume.final)}{kept}. "
-            "Re-run the job once the server answers: it sends them and finishes the run, without training."
-        )
-        failed.show_traceback = False
-        raise failed
+        if status == "FINISHED" and not (sent and answering):
+            kept = f"; {sum(map(delivery.size, unsent))} values not sent are kept in {self.volume.unsent_tracking}" if unsent else ""
+            failed = RegistrationFailed(
+                f"the MLflow tracking server {redact(store.tracking_uri(self.settings))} did not answer within FT_REGISTRATION_RETRY_SECONDS="
+                f"{self.settings.registration_retry_seconds}; the trained model is saved at {os.path.abspath(self.volume.final)}{kept}. "
+                "Re-run the job once the server answers: it sends them and finishes the run, without training."
+            )
+            failed.show_traceback = False
+            raise failed
+
+    def _keep_unsent(self, unsent: list[dict[str, Any]]) -> None:
+        try:
+            if unsent:
+                write_json(self.volume.unsent_tracking, unsent)
+            elif os.path.exists(self.volume.unsent_tracking):
+                os.remove(self.volume.unsent_tracking)
+        except OSError as error:  # a full volume: the job's own error (exit 6) is the one to report
+            print(f"fulltune: {sum(map(delivery.size, unsent))} values not sent to the tracking server could not be kept on the volume ({error.strerror})", file=sys.stderr, flush=True)
+
+    def end_deadline(self) -> float:
+        """When the end of the job (unsent metrics, registration, the run's status) stops waiting for the server:
+        FT_REGISTRATION_RETRY_SECONDS after it first waits."""
+        if self._end_by is None:
+            self._end_by = time.monotonic() + self.settings.registration_retry_seconds
+        return self._end_by
+
+    def register(self, model_dir: str, metadata: dict[str, str]) -> str:
+        """Register the saved MLflow model under FT_REGISTERED_MODEL once the run has what is queued for it; return
+        'name/version' (trainer/tracking/registry.py retries it)."""
+        end_by = self.end_deadline()
+        self._wait_until_open(OPENING_SECONDS)
+        self._raise_failure()
+        if self.run_id is None:
+            raise RegistrationFailed(f"the MLflow run did not open within {OPENING_SECONDS:.0f} s; the trained model is saved at {os.path.abspath(model_dir)}. Re-run the job to register it (without training).")
+        with self._lock:
+            outbox = self._outbox
+        if outbox is not None:
+            outbox.drain(end_by)
+        return registry.register(self.settings, model_dir, metadata, self.run_id, end_by)
+
+    # -- What goes into the run ---------------------------------------------------------------------
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Into the job's run, sent in the background; nothing when the tracker is off or the run is over."""
+        if not self._open or not metrics:
+            return
+        self._raise_failure()
+        self.last_step = max(self.last_step, step or 0)
+        now = int(time.time() * 1000)
+        values = [[key, float(value), now, step or 0] for key, value in metrics.items()]
+        with self._lock:
+            _remember(self._history, values)
+        self._queue({"kind": "metrics", "metrics": values}, step=step)
+
+    def log(self, tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None, artifacts: dict[str, Any] | None = None) -> None:
+        """Tags, step-less metrics, and artifacts (a dict is stored as JSON, a string as text) into the job's run."""
+        if not self._open:
+            return
+        if tags:
+            self._queue({"kind": "tags", "tags": {key: str(value) for key, value in tags.items()}})
+        self.log_metrics(metrics or {})
+        for path, value in (artifacts or {}).items():
+            self._queue({"kind": "text" if isinstance(value, str) else "dict", "path": path, "value": value})
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Rows (one dict each, same keys) appended to a table artifact of the job's run (MLflow's evaluation view)."""
+        if self._open and rows:
+            self._queue({"kind": "table", "path": artifact_file, "value": {key: [row[key] for row in rows] for key in rows[0]}})
+
+    def log_file(self, path: str) -> None:
+        """A file on the volume as an artifact of the job's run, at the top of its artifacts (sent as it is then)."""
+        if self._open:
+            self._queue({"kind": "file", "path": path})
+
+    def _queue(self, item: dict[str, Any], step: int | None = None) -> None:
+        with self._lock:
+            if self._outbox is None:
+                self._early.append(item)
+                return
+            outbox = self._outbox
+        outbox.put(item, size=delivery.size(item), step=step)
+
+    # -- The run's record ---------------------------------------------------------------------------
+
+    def history(self, keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+        """Each metric's (step, value) points as the job's run holds them once the queue is sent (what its charts
+        show), from this process's record: a report during an outage is drawn all the same."""
+        with self._lock:
+            return {key: list(self._history.get(key, [])) for key in keys} if self.enabled else {}
+
+    def facts(self) -> dict[str, Any]:
+        """The job's run: its id, where it is (no password), and the latest value of each metric."""
+        with self._lock:
+            if not self._facts:
+                return {}
+            return self._facts | {"metrics": {key: points[-1][1] for key, points in self._history.items() if points}}
+
+    def _wait_until_open(self, at_least: float) -> None:
+        """The opening thread, waited for until the end of FT_REGISTRATION_RETRY_SECONDS but never less than `at_least`:
+        the deadline is for a server that does not answer, not for a store that is still being created."""
+        self._opening.join(max(at_least, (self._end_by or 0.0) - time.monotonic()))
+
+    def _background(self, stage):
+        def run() -> None:
+            try:
+                stage()
+            except BaseException as error:  # noqa: BLE001 - raised in the job's thread, at its next call
+                self._failure = error
+
+        return run
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            self._open = False
+            raise failure
 
 
-@contextlib.contextmanager
-def _without_warnings(logger: str, *prefixes: str) -> Iterator[None]:
-    """Drop the named logger's messages that start with one of `prefixes` (expected, and misleading, here)."""
-
-    class Drop(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return not record.getMessage().startswith(prefixes)
-
-    drop, target = Drop(), logging.getLogger(logger)
-    target.addFilter(drop)
-    try:
-        yield
-    finally:
-        target.removeFilter(drop)
+def _thread(name: str, target) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
-@contextlib.contextmanager
-def _one_quick_try() -> Iterator[None]:
-    """MLflow calls that fail at once, without MLflow's retries (minutes): for a server that already did not answer."""
-    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(PROBE_TIMEOUT_SECONDS))}
-    saved = {name: os.environ.get(name) for name in quick}
-    os.environ.update(quick)  # MLflow reads them at each request
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _end_deadline(settings: settings_table.Settings) -> float:
-    """When the end of the job (unsent metrics, registration, the run's status) stops waiting for the server:
-    FT_REGISTRATION_RETRY_SECONDS after it first waits."""
-    global _end_by
-    if _end_by is None:
-        _end_by = time.monotonic() + settings.registration_retry_seconds
-    return _end_by
-
-
-def _size(item: dict[str, Any]) -> int:
-    return len(item.get("metrics") or item.get("tags") or [None])
-
-
-def _send(run_id: str, item: dict[str, Any]) -> None:
-    """One queued item into the run, from the outbox's thread: MlflowClient with the run id, since MLflow's active run
-    belongs to the thread that started it."""
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric, RunTag
-
-    client, kind = MlflowClient(), item["kind"]
-    if kind == "metrics":
-        metrics = [Metric(key, value, timestamp, step) for key, value, timestamp, step in item["metrics"]]
-        for start in range(0, len(metrics), 1000):  # MLflow's limit per request
-            client.log_batch(run_id, metrics=metrics[start : start + 1000], synchronous=True)
-    elif kind == "tags":
-        client.log_batch(run_id, tags=[RunTag(key, value) for key, value in item["tags"].items()], synchronous=True)
-    elif kind == "text":
-        client.log_text(run_id, item["value"], item["path"])
-    elif kind == "dict":
-        client.log_dict(run_id, item["value"], item["path"])
-    elif kind == "table":
-        client.log_table(run_id, item["value"], item["path"])
-    elif kind == "file" and os.path.exists(item["path"]):
-        client.log_artifact(run_id, item["path"])
-
-
-def _recall(run: Any, unsent: list[dict[str, Any]]) -> None:
-    """Start the record of the run's metrics: what a continued run already holds (read once, at start, when the
-    server has just answered), then what an earlier attempt could not send."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient()
-    _history.clear()
-    _run_facts.update(run_id=run.info.run_id, experiment_id=run.info.experiment_id, tracking_uri=redact(client.tracking_uri))
-    for key in sorted(run.data.metrics):
-        _history[key] = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-    for item in unsent:
-        _remember(item.get("metrics") or [])
-
-
-def _remember(metrics: list[list[Any]]) -> None:
+def _remember(history: dict[str, list[tuple[int, float]]], metrics: list[list[Any]]) -> None:
     for key, value, _timestamp, step in metrics:
-        _history.setdefault(key, []).append((step, value))
-
-
-def _queue(item: dict[str, Any], step: int | None = None) -> None:
-    if _outbox is not None:
-        _outbox.put(item, size=_size(item), step=step)
-
-
-def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
-    """Into the job's run, sent in the background; nothing when there is none (a benchmark or test that runs the
-    Trainer alone: mlflow may not even be installed there)."""
-    if not _open_runs or not metrics:
-        return
-    now = int(time.time() * 1000)
-    _remember([[key, float(value), now, step or 0] for key, value in metrics.items()])
-    _queue({"kind": "metrics", "metrics": [[key, float(value), now, step or 0] for key, value in metrics.items()]}, step=step)
-
-
-def log(tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None, artifacts: dict[str, Any] | None = None) -> None:
-    """Tags, step-less metrics, and artifacts (a dict is stored as JSON, a string as text) into the job's run."""
-    if not _open_runs:
-        return
-    if tags:
-        _queue({"kind": "tags", "tags": {key: str(value) for key, value in tags.items()}})
-    log_metrics(metrics or {})
-    for path, value in (artifacts or {}).items():
-        _queue({"kind": "text" if isinstance(value, str) else "dict", "path": path, "value": value})
-
-
-def log_table(rows: list[dict[str, Any]], artifact_file: str) -> None:
-    """Rows (one dict each, same keys) appended to a table artifact of the job's run (MLflow's evaluation view)."""
-    if not _open_runs or not rows:
-        return
-    _queue({"kind": "table", "path": artifact_file, "value": {key: [row[key] for row in rows] for key in rows[0]}})
-
-
-def metric_history(keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
-    """Each metric's (step, value) points as the job's run holds them once the queue is sent (what its charts show),
-    read from this process's record, never from the server: a report during an outage is drawn all the same."""
-    return {key: list(_history.get(key, [])) for key in keys} if _open_runs else {}
-
-
-def run_summary() -> dict[str, Any]:
-    """The job's run: its id, where it is (no password), and the latest value of each metric."""
-    if not _open_runs:
-        return {}
-    return _run_facts | {"metrics": {key: points[-1][1] for key, points in _history.items() if points}}
-
-
-def log_file(path: str) -> None:
-    """A file on the volume as an artifact of the job's run, at the top of its artifacts (sent as it is then)."""
-    if _open_runs:
-        _queue({"kind": "file", "path": path})
+        history.setdefault(key, []).append((step, value))
 
 
 class MetricsCallback(TrainerCallback):
     """What the Trainer logs (loss, eval_loss, learning_rate, grad_norm, ...) as metrics of the job's run, at the
     optimizer step.  Numbers only, names sanitised as transformers' MLflowCallback does."""
 
+    def __init__(self, tracker: Tracker):
+        self.tracker = tracker
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero:
             return
         metrics = {re.sub(r"[^0-9A-Za-z_\-\.\ :/]", "_", k): float(v) for k, v in (logs or {}).items() if isinstance(v, int | float)}
         if metrics:
-            log_metrics(metrics, step=state.global_step)
-
-
-def save_model(net: Any, tokenizer: Any, path: str, metadata: dict[str, str], served_name: str) -> None:
-    """Write the model once: an MLflow pyfunc model (trainer/serving/pyfunc.py, saved from code) that answers OpenAI-style
-    chat requests as `served_name`, around a `model/` folder that is also a plain transformers folder (weights +
-    tokenizer), so serving and the registry share one copy; the metadata goes to the run too.
-
-    Not the transformers flavor: its llm/v1/chat endpoint fails `temperature: 0` and names the model by a path
-    (trainer/serving/pyfunc.py says why)."""
-    import mlflow
-
-    from trainer.serving import pyfunc as serving
-
-    mlflow.pyfunc.save_model(
-        path=path,
-        python_model=serving.__file__,
-        model_config={serving.MODEL_NAME_KEY: served_name},
-        signature=serving.SIGNATURE,
-        input_example=serving.INPUT_EXAMPLE,  # saved as the model's example request; with a signature given, MLflow does not run it
-        metadata=metadata,
-        pip_requirements=_serving_requirements(),
-    )
-    net.save_pretrained(os.path.join(path, serving.WEIGHTS))  # after: MLflow saves only into an empty folder
-    tokenizer.save_pretrained(os.path.join(path, serving.WEIGHTS))
-    saved = mlflow.models.Model.load(path)
-    saved.model_size_bytes = sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(path) for name in names)  # with the weights
-    saved.save(os.path.join(path, "MLmodel"))
-    log(artifacts={"model_metadata.json": metadata})
-
-
-def _serving_requirements() -> list[str]:
-    """Pin what serving needs; without this, MLflow infers extras such as torchvision."""
-    from importlib.metadata import version
-
-    return [f"{name}=={version(name)}" for name in ("mlflow", "torch", "transformers", "accelerate", "safetensors", "tokenizers")]
-
-
-def register(settings: settings_table.Settings, model_dir: str, metadata: dict[str, str]) -> str:
-    """Register the saved MLflow model under FT_REGISTERED_MODEL; return 'name/version'.
-
-    First the run gets what is still queued for it, then registration is tried until it succeeds, fails for a
-    reason a retry cannot change, or FT_REGISTRATION_RETRY_SECONDS have passed (pauses of 5 s, doubling to
-    60 s; while a server does not answer, no attempt is made, so none waits out MLflow's own retries).
-    """
-    end_by = _end_deadline(settings)
-    if _outbox is not None:
-        _outbox.drain(end_by)
-    pause, attempt = FIRST_PAUSE_SECONDS, 0
-    while True:
-        attempt += 1
-        try:
-            if not servers_answer():
-                raise TrackingUnreachable(f"no answer from {', '.join(redact(u) for u in server_uris())}")
-            return _register_once(settings, model_dir, metadata)
-        except Exception as error:  # noqa: BLE001 - sorted below: what a retry may fix, and what it cannot
-            why, passing = f"{type(error).__name__}: {gist(str(error))}", _may_pass(error)
-            if time.monotonic() + pause > end_by or not passing:
-                failed = RegistrationFailed(
-                    f"registering {settings.registered_model!r} failed ({why}"
-                    + (f"; no success in {attempt} attempt(s) within FT_REGISTRATION_RETRY_SECONDS={settings.registration_retry_seconds}" if passing else "")
-                    + f"); the trained model is saved at {os.path.abspath(model_dir)}"
-                    + (", and what the MLflow run has not received yet is kept on the volume" if passing and not embedded() else "")
-                    + ". Re-run the job to retry registration only (without training)."
-                )
-                failed.show_traceback = not passing  # an outage needs no traceback (and MLflow's would quote the URI's password)
-                raise failed from error
-        print(f"fulltune: registration attempt {attempt} failed ({' '.join(why.split())[:300]}); next try in {pause:.0f} s", flush=True)
-        time.sleep(pause)
-        pause = min(pause * 2, LONGEST_PAUSE_SECONDS)
-
-
-def _may_pass(error: Exception) -> bool:
-    """Whether a later attempt may succeed: the server was away or overloaded (no answer, 5xx), rather than refusing
-    the request itself (4xx) or something else going wrong."""
-    import mlflow
-    import requests
-
-    if isinstance(error, mlflow.exceptions.MlflowException):
-        return error.get_http_status_code() >= 500
-    return isinstance(error, TrackingUnreachable | requests.ConnectionError | requests.Timeout)
-
-
-def _register_once(settings: settings_table.Settings, model_dir: str, metadata: dict[str, str]) -> str:
-    """On the embedded store the version points at `model_dir` on the volume (no second copy of the weights).
-    With a tracking server the folder is uploaded to the run's artifact store first, because a path on this
-    machine's volume means nothing to the server's other clients."""
-    import mlflow
-    from mlflow import MlflowClient
-
-    name = settings.registered_model
-    run = mlflow.active_run()
-    client = MlflowClient()
-    if not embedded():
-        mlflow.log_artifacts(model_dir, artifact_path="model")
-        version = mlflow.register_model(f"runs:/{run.info.run_id}/model", name, tags=metadata)
-    else:
-        try:
-            client.create_registered_model(name)
-        except mlflow.exceptions.MlflowException as error:
-            if "RESOURCE_ALREADY_EXISTS" not in str(error.error_code):
-                raise
-        version = client.create_model_version(name, source=os.path.abspath(model_dir), run_id=run.info.run_id, tags=metadata)
-    client.set_model_version_tag(name, version.version, "task", "llm/v1/chat")
-    return f"{name}/{version.version}"
+            self.tracker.log_metrics(metrics, step=state.global_step)

@@ -22,7 +22,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainer.core.volume import Volume
-from trainer.tracking import run as tracking
+from trainer.tracking.run import Tracker
 
 TABLE = "eval_samples.json"  # the MLflow run's artifact
 
@@ -95,8 +95,8 @@ def decode(tokenizer: Any, ids: list[int]) -> str:
 class SampleAnswers(TrainerCallback):
     """At step 0 (the base model) and after every evaluation, answer the fixed prompts and record the answers."""
 
-    def __init__(self, tokenizer: Any, chosen: list[dict], max_new_tokens: int, output_dir: str, bf16_autocast: bool):
-        self.tokenizer, self.chosen, self.max_new_tokens, self.bf16_autocast = tokenizer, chosen, max_new_tokens, bf16_autocast
+    def __init__(self, tracker: Tracker, tokenizer: Any, chosen: list[dict], max_new_tokens: int, output_dir: str, bf16_autocast: bool):
+        self.tracker, self.tokenizer, self.chosen, self.max_new_tokens, self.bf16_autocast = tracker, tokenizer, chosen, max_new_tokens, bf16_autocast
         self.path = Volume(output_dir).eval_samples
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -141,8 +141,8 @@ class SampleAnswers(TrainerCallback):
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        tracking.log_table(rows, TABLE)
-        tracking.log_metrics({"eval_samples_seconds": seconds}, step)
+        self.tracker.log_table(rows, TABLE)
+        self.tracker.log_metrics({"eval_samples_seconds": seconds}, step)
         first = rows[0]["answer"] if rows else ""
         shown = first if len(first) <= 80 else first[:77] + "..."
         print(f"fulltune: sample answers at step {step}: {len(rows)} in {seconds:.1f} s ({self.path}); first: {shown!r}", flush=True)
