@@ -14,7 +14,7 @@ the volume's lease for the whole job (trainer/launch/lease.py), so that a second
 import os
 import sys
 
-from trainer.core import cluster, config, errors, platforms, settings, volume
+from trainer.core import cluster, config, errors, permissions, platforms, settings
 from trainer.launch import launcher as launch
 from trainer.launch import lease
 
@@ -29,7 +29,7 @@ def main() -> int:
     errors.set_termination_message_path({**implied, **os.environ}.get("FT_TERMINATION_MESSAGE_PATH", errors.DEFAULT_TERMINATION_LOG))
     try:
         validated = settings.load(os.environ)
-        volume.check_writable(validated.output_dir)  # in a second, before any model or data is loaded
+        permissions.check_writable(validated.output_dir)  # in a second, before any model or data is loaded
         # Exit 7 while another job runs on this volume, before anything is written to it; released however the job ends.
         with lease.held(validated, stopping=lambda: bool(stops.received), on_lost=stops.end_now):
             job = config.build(validated)  # imports torch for the device: only once the settings are valid

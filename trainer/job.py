@@ -16,7 +16,9 @@ from trainer.core import config as job_config
 from trainer.core import ranks
 from trainer.core.config import Config
 from trainer.core.errors import Preempted, exit_code_for, record_exit
-from trainer.core.volume import Volume, follow_umask, staged
+from trainer.core.files import staged
+from trainer.core.permissions import follow_umask
+from trainer.core.volume import Volume
 from trainer.data import demo
 from trainer.data import prepare as data
 from trainer.model import hub, memory, recipe, sharding

@@ -30,7 +30,9 @@ from transformers import TrainerCallback
 from trainer.core import ranks
 from trainer.core.config import Config
 from trainer.core.errors import ConfigError, Diverged
-from trainer.core.volume import Volume, follow_umask, read_json, write_json
+from trainer.core.files import read_json, write_json
+from trainer.core.permissions import follow_umask
+from trainer.core.volume import Volume
 
 MANIFEST = "commit.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")

@@ -10,7 +10,8 @@ import json
 import os
 import random
 
-from trainer.core.volume import Volume, staged
+from trainer.core.files import staged
+from trainer.core.volume import Volume
 
 WORDS = (
     "apple river stone cloud tiger maple ocean piano rocket silver garden winter "

@@ -32,7 +32,8 @@ from transformers import TrainerCallback
 from trainer.checkpointing import commits as checkpoints
 from trainer.core import ranks
 from trainer.core.config import Config
-from trainer.core.volume import Volume, write_text
+from trainer.core.files import write_text
+from trainer.core.volume import Volume
 from trainer.data import prepare as data
 from trainer.model.memory import Plan
 from trainer.tracking import run as tracking

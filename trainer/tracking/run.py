@@ -40,7 +40,8 @@ from trainer.core import ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.errors import ConfigError, Preempted, RegistrationFailed, TrackingUnreachable
-from trainer.core.volume import Volume, read_json, write_json
+from trainer.core.files import read_json, write_json
+from trainer.core.volume import Volume
 from trainer.tracking.outbox import PROBE_TIMEOUT_SECONDS, Outbox
 from trainer.tracking.server import CONFIGURED_URI, MlflowLogFilter, gist, redact, server_uris, servers_answer
 
