@@ -157,16 +157,14 @@ def test_a_damaged_newest_checkpoint_is_set_aside_naming_the_file_and_the_job_re
     assert max_weight_difference(volume / "final" / "model" / "model.safetensors", straight) == 0.0  # nothing trained on the damaged state
 
 
-def test_a_manifest_without_checksums_from_an_older_version_is_resumed_after_a_size_check(tmp_path, capsys):
+def test_a_manifest_without_checksums_does_not_count_and_the_checkpoint_is_set_aside(tmp_path, capsys):
     folder = tmp_path / "checkpoints" / "checkpoint-3"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"weights")
     (folder / "commit.json").write_text(json.dumps({"step": 3, "files": {"model.safetensors": 7}, "committed_at": 0}))
 
-    assert checkpoints.latest_for_resume(str(tmp_path / "checkpoints"), str(tmp_path / "incomplete")) == str(folder)
-    assert "checkpoint at step 3 was committed without checksums (an older fulltune): only its file sizes were checked" in capsys.readouterr().out
-
-    (folder / "model.safetensors").write_bytes(b"weight")  # one byte short: damaged even without a checksum
+    assert not checkpoints.is_committed(str(folder))
     assert checkpoints.latest_for_resume(str(tmp_path / "checkpoints"), str(tmp_path / "incomplete")) is None
-    assert "checkpoint at step 3 is damaged, not resumed: model.safetensors has 6 bytes, 7 at commit (truncated)" in capsys.readouterr().out
-    assert [p.name.split(".")[:2] for p in (tmp_path / "incomplete").iterdir()] == [["checkpoint-3", "damaged"]]
+    assert "checkpoint at step 3 was never committed (save cut short)" in capsys.readouterr().out
+    assert [p.name.split(".")[0] for p in (tmp_path / "incomplete").iterdir()] == ["checkpoint-3"]
+

@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trainer.core import errors
+from trainer.core import ending
 from trainer.core.config import VARIABLE
-from trainer.core.errors import StopAbandoned, write_termination_message
+from trainer.core.errors import StopAbandoned
 
 
 class StopForwarder:
@@ -118,8 +118,8 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env[VARIABLE] = config.to_json()  # the child runs with what was validated here, not with its own reading of FT_*
     outcome = tempfile.mkdtemp(prefix="fulltune-exit-")
-    env[errors.LAUNCHER_PID] = str(os.getpid())
-    env[errors.EXIT_FILE] = os.path.join(outcome, "rank")  # each local rank leaves its exit code there (torchrun reports only 1)
+    env[ending.LAUNCHER_PID] = str(os.getpid())
+    env[ending.EXIT_FILE] = os.path.join(outcome, "rank")  # each local rank leaves its exit code there (torchrun reports only 1)
     returncode = 0
     if not stops.received and not stops.ended:
         stops.group = several
@@ -133,14 +133,14 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     if stops.ended:
         return returncode  # the caller says why (trainer/launch/lease.py)
     if stops.abandoned:
-        return _report(StopAbandoned.exit_code, "second stop signal before the checkpoint was committed; a retry resumes from the last committed checkpoint")
+        return ending.announce(StopAbandoned.exit_code, "second stop signal before the checkpoint was committed; a retry resumes from the last committed checkpoint")
     if stops.received and (stops.child is None or -returncode in stops.received):
         # The stop came before the training process had installed its handler: nothing new was
         # saved, the committed checkpoints are intact, and a retry resumes from them.
         why = f"stopped by {signal.Signals(stops.received[0]).name} while starting; a retry resumes from the last committed checkpoint"
-        return _report(StopAbandoned.exit_code, why)
+        return ending.announce(StopAbandoned.exit_code, why)
     if returncode < 0:  # killed by a signal we did not send (e.g. SIGKILL from the kernel's OOM killer)
-        return _report(128 - returncode, f"training process killed by {signal.Signals(-returncode).name} (out of host memory?)")
+        return ending.announce(128 - returncode, f"training process killed by {signal.Signals(-returncode).name} (out of host memory?)")
     return returncode
 
 
@@ -157,9 +157,3 @@ def _job_exit_code(folder: str, torchrun_code: int) -> int:
     if failures:
         return failures[0]
     return torchrun_code
-
-
-def _report(code: int, why: str) -> int:
-    print(f"fulltune: exit {code}: {why}", file=sys.stderr, flush=True)
-    write_termination_message(f"exit {code}: {why}")
-    return code
