@@ -84,13 +84,12 @@ def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
     """Several processes: the torchrun command and environment `accelerate launch --multi_gpu` would use.
 
     accelerate runs torchrun inside its own process (`multi_gpu_launcher`) and on CPU falls back to MPI; we take
-    its environment (`prepare_multi_gpu_env`) and its argument mapping (`_filter_args`) and run torchrun as our
-    child, for the same reason as above.  torchrun forwards SIGTERM to every worker once, and waits for them
+    its environment (`prepare_multi_gpu_env`), read torchrun's arguments from what it resolved on `args`, and run
+    torchrun as our child, for the same reason as above.  torchrun forwards SIGTERM to every worker once, and waits for them
     `--shutdown-timeout` seconds (the stop deadline and some) before it kills them.
     """
-    import torch.distributed.run as torchrun
     from accelerate.commands.launch import launch_command_parser
-    from accelerate.utils.launch import _filter_args, prepare_multi_gpu_env
+    from accelerate.utils.launch import prepare_multi_gpu_env
 
     s = config.settings
     argv = ["--multi_gpu", "--num_processes", str(config.world_size), "--num_machines", str(s.num_nodes), "--machine_rank", str(s.node_rank)]
@@ -101,11 +100,12 @@ def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
     _keep_thread_count(env)  # torchrun then gives each process 1 thread unless the caller chose
     if s.num_nodes == 1:  # one node: rank 0 is here, whatever FT_MASTER_ADDR says
         args.master_addr = "127.0.0.1"
-    chosen = vars(_filter_args(args, torchrun.get_args_parser(), ["--training_script", "trainer"]))
+    # accelerate 1.15's own mapping to torchrun (`_filter_args`, private) copies exactly these names from `args`; we read
+    # them directly, so nothing private is called.  Unset ones are left to torchrun's defaults, as there.
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     for name in ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "max_restarts"):
-        if chosen.get(name) not in (None, ""):
-            cmd.append(f"--{name}={chosen[name]}")
+        if getattr(args, name, None) not in (None, ""):
+            cmd.append(f"--{name}={getattr(args, name)}")
     cmd += [f"--shutdown_timeout={s.stop_deadline_seconds + 30}", "--signals_to_handle=SIGTERM,SIGINT", "--module", "trainer"]
     return cmd, env
 
