@@ -1,6 +1,6 @@
 """The job, top to bottom: plan, data, model, train (resuming), save, register.
 
-    entrypoint.py (settings parsed once) -> launch.py (accelerate) -> python -m trainer -> main() -> run(config)
+    entrypoint.py (settings parsed once) -> launch/launcher.py (accelerate) -> python -m trainer -> main() -> run(config)
 """
 
 from __future__ import annotations

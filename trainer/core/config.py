@@ -1,7 +1,7 @@
 """What one job runs with: the settings, parsed once by entrypoint.py, plus what follows from them and the
 machine (device, precision), handed to the training process as data.
 
-The training process never reads `FT_*` variables: `launch.py` passes this configuration in one variable,
+The training process never reads `FT_*` variables: `trainer/launch/launcher.py` passes this configuration in one variable,
 `FULLTUNE_CONFIG` (JSON), so every process of a job (and, later, every rank) runs with exactly what was
 validated and logged, even if its environment differs.
 """
