@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import committed_steps, job_env, max_weight_difference, run_job, termination_message, with_faults
 from trainer.checkpointing import commits as checkpoints
+from trainer.core import files
 
 STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="8", FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_TOTAL_LIMIT="2", FT_SYSTEM_METRICS="false")
 # The demo's checkpoint is 5.4 MB (1.8 MB weights, 3.6 MB AdamW states), its final model 1.8 MB: leaving half of
@@ -168,3 +170,16 @@ def test_a_manifest_without_checksums_does_not_count_and_the_checkpoint_is_set_a
     assert "checkpoint at step 3 was never committed (save cut short)" in capsys.readouterr().out
     assert [p.name.split(".")[0] for p in (tmp_path / "incomplete").iterdir()] == ["checkpoint-3"]
 
+
+def test_sample_answers_appended_on_a_full_volume_keep_every_earlier_line_whole(small_volume):
+    """eval-samples.jsonl grows at every evaluation: when the volume fills during an append, the earlier answers stay
+    as they were (whole JSON lines), and no half-written copy is left behind."""
+    path = small_volume / "eval-samples.jsonl"
+    files.append_lines(str(path), [json.dumps({"step": 0, "answer": "river apple"})])
+    filler = small_volume / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (shutil.disk_usage(small_volume).free - (64 << 10)))  # 64 KiB left
+    with pytest.raises(OSError):
+        files.append_lines(str(path), [json.dumps({"step": 20, "answer": "x" * (1 << 20)})])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 0, "answer": "river apple"}]
+    assert sorted(p.name for p in small_volume.iterdir()) == ["eval-samples.jsonl", "filler"]

@@ -6,19 +6,17 @@ process that has dropped to uid 65534 (nobody), or, for files, copy them as that
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, job_env, run_job
+from conftest import job_env, run_job
 from trainer.core import permissions
 
 NOBODY = 65534
@@ -115,27 +113,3 @@ def test_the_final_model_and_checkpoints_are_readable_by_another_uid(shared_tmp)
     model = AutoModelForCausalLM.from_pretrained(copies / "model")
     assert model.num_parameters() > 0 and AutoTokenizer.from_pretrained(copies / "model").chat_template
 
-
-APPENDER = """
-import json, sys
-from trainer.core import files
-line = json.dumps({"answer": "x" * (4 << 20)})
-while True:
-    files.append_lines(sys.argv[1], [line])
-    print("appended", flush=True)
-"""
-
-
-def test_a_process_killed_while_appending_sample_answers_leaves_only_whole_lines(tmp_path):
-    """eval-samples.jsonl is appended at every evaluation: a kill at any moment leaves whole JSON lines, the old ones kept."""
-    path = tmp_path / "eval-samples.jsonl"
-    writer = subprocess.Popen([sys.executable, "-c", APPENDER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        for _ in range(3):
-            assert writer.stdout.readline() == "appended\n"
-        time.sleep(0.05)  # inside the next write (each takes longer: the file grows by 4 MB a line)
-    finally:
-        writer.kill()
-        writer.wait()
-    lines = path.read_text().splitlines()
-    assert len(lines) >= 3 and all(json.loads(line)["answer"] == "x" * (4 << 20) for line in lines)

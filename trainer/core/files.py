@@ -35,10 +35,15 @@ def write_text(path: str, text: str) -> None:
     """Write to a temporary file, flush it to disk, then rename it over `path`: readers see the old or the new."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     partial = path + ".tmp"
-    with open(partial, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)  # a full volume: the half-written copy would only take the room a retry needs
+        raise
     os.replace(partial, path)
 
 
