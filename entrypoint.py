@@ -15,7 +15,7 @@ the volume's lease for the whole job (trainer/launch/lease.py), so that a second
 import os
 import sys
 
-from trainer.core import cluster, config, errors, platforms, settings, volume
+from trainer.core import cluster, config, ending, errors, permissions, platforms, settings
 from trainer.launch import launcher as launch
 from trainer.launch import lease
 
@@ -31,16 +31,16 @@ def main() -> int:
     if line := cluster.describe(*cluster.detect(os.environ)):
         print(line, flush=True)
     # Until the settings parse, the termination message goes where the raw variables (or the platform) say.
-    errors.set_termination_message_path({**implied, **os.environ}.get("FT_TERMINATION_MESSAGE_PATH", errors.DEFAULT_TERMINATION_LOG))
+    ending.set_termination_message_path({**implied, **os.environ}.get("FT_TERMINATION_MESSAGE_PATH", ending.DEFAULT_TERMINATION_LOG))
     try:
         validated = settings.load(os.environ)
-        volume.check_writable(validated.output_dir)  # in a second, before any model or data is loaded
+        permissions.check_writable(validated.output_dir)  # in a second, before any model or data is loaded
         # Exit 7 while another job runs on this volume, before anything is written to it; released however the job ends.
         with lease.held(validated, stopping=lambda: bool(stops.received), on_lost=stops.end_now):
             job = config.build(validated)  # imports torch for the device: only once the settings are valid
             return launch.run_under_accelerate(job, stops)
     except errors.FulltuneError as error:
-        return errors.exit_code_for(error)
+        return ending.exit_code_for(error)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,10 @@ import os
 import random
 import shutil
 
+from trainer.data import chatml
+
 WORDS = 8000
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 TINY = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 
 
@@ -35,7 +31,7 @@ def tokenizer(words: int = WORDS):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
-                                   chat_template=TEMPLATE, model_max_length=1 << 20)
+                                   chat_template=chatml.TEMPLATE, model_max_length=1 << 20)
 
 
 def length(rng: random.Random, mean_tokens: int) -> int:

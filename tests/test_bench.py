@@ -26,13 +26,13 @@ def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatc
     original = job.build_trainer
     monkeypatch.setattr(job, "build_trainer", build_trainer)
     config = child.fulltune_config(args, str(tmp_path), "fulltune", {}, cuda=False)
-    # before the Trainer: it resets accelerate's state
-    expected = recipe.sft_config(config.settings, config.precision, memory.preflight(config), cuda=False).to_dict()
+    plan = memory.preflight(config)
+    expected = recipe.sft_config(config.settings, config.precision, plan, cuda=False).to_dict()  # before the Trainer: it resets accelerate's state
     timer = child._timer(0.0)
     trainer = child.fulltune(config, timer)
 
     assert built == [trainer], "bench/child.py must build the fulltune variant with trainer.job.build_trainer"
-    assert isinstance(trainer, trl.SFTTrainer) and type(trainer) is sharding.trainer_class()  # the job's: FSDP honoured on CPU too
+    assert isinstance(trainer, trl.SFTTrainer) and type(trainer) is sharding.trainer_class(config.cuda, plan.strategy)  # the job's class
     callbacks = trainer.callback_handler.callbacks
     for kind in (checkpoints.CommitCheckpoints, progress.Progress, tracking.MetricsCallback):
         assert any(isinstance(c, kind) for c in callbacks), kind

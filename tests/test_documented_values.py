@@ -364,24 +364,22 @@ def test_every_setting_is_run_here_or_by_a_named_test():
 
 
 def test_allow_config_change_resumes_despite_a_changed_setting(demo_assets, files, tmp_path):
-    from trainer.checkpointing import commits as checkpoints
-
     env = base_env(demo_assets, files, tmp_path / "volume")
-    checkpoints.check_fingerprint(job_config.build(settings_table.load(env), cuda=False, bf16_supported=False))
+    job_config.check_fingerprint(job_config.build(settings_table.load(env), cuda=False, bf16_supported=False))
     changed = env | {"FT_LEARNING_RATE": "0.5"}
     with pytest.raises(ConfigError, match=r"FT_LEARNING_RATE: '2e-05' on the volume, '0.5' now.*FT_ALLOW_CONFIG_CHANGE=true"):
-        checkpoints.check_fingerprint(job_config.build(settings_table.load(changed), cuda=False, bf16_supported=False))
-    checkpoints.check_fingerprint(job_config.build(settings_table.load(changed | {"FT_ALLOW_CONFIG_CHANGE": "true"}), cuda=False, bf16_supported=False))
+        job_config.check_fingerprint(job_config.build(settings_table.load(changed), cuda=False, bf16_supported=False))
+    job_config.check_fingerprint(job_config.build(settings_table.load(changed | {"FT_ALLOW_CONFIG_CHANGE": "true"}), cuda=False, bf16_supported=False))
     assert json.loads((tmp_path / "volume" / ".fulltune" / "fingerprint.json").read_text())["FT_LEARNING_RATE"] == "0.5"
 
 
 def test_an_empty_termination_message_path_writes_nothing(tmp_path, monkeypatch):
-    from trainer.core import errors
+    from trainer.core import ending
 
     monkeypatch.chdir(tmp_path)
     job_config.build(settings_table.load({"FT_PLATFORM": "none", "FT_TERMINATION_MESSAGE_PATH": ""}), cuda=False, bf16_supported=False)
-    assert errors.termination_message_path() is None
-    errors.write_termination_message("exit 2: nothing")
+    assert ending.termination_message_path() is None
+    ending.write_termination_message("exit 2: nothing")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -12,7 +12,7 @@ import mlflow
 import pytest
 
 from conftest import job_env, run_job
-from trainer.tracking import progress
+from trainer.tracking import progress, quiet
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_a_missing_key_that_is_not_a_tied_weight_is_still_reported():
         def emit(self, record):
             seen.append(record.getMessage())
 
-    progress.expect_tied_weights(demo.build_model(vocab_size=64, pad_token_id=0, eos_token_id=1))
+    quiet.expect_tied_weights(demo.build_model(vocab_size=64, pad_token_id=0, eos_token_id=1))
     logger, handler = logging.getLogger("transformers.trainer"), Keep()
     logger.addHandler(handler)
     try:

@@ -138,6 +138,18 @@ def test_fsdp_shards_the_model_over_two_cpu_processes_and_trains_what_one_proces
     assert committed_steps(out) == [20, 40]
 
 
+def test_only_fsdp_on_cpu_processes_completes_accelerates_decision_gpu_jobs_train_with_trls_own_trainer():
+    """GPU jobs (and jobs without FSDP) never run the CPU completion: accelerate already honours FSDP there."""
+    import trl
+
+    from trainer.model import sharding
+
+    assert sharding.trainer_class(True, "fsdp") is trl.SFTTrainer
+    assert sharding.trainer_class(False, "ddp") is trl.SFTTrainer and sharding.trainer_class(False, "none") is trl.SFTTrainer
+    on_cpu = sharding.trainer_class(False, "fsdp")
+    assert on_cpu is not trl.SFTTrainer and issubclass(on_cpu, trl.SFTTrainer) and sharding.trainer_class(False, "fsdp") is on_cpu
+
+
 @pytest.mark.faults("an FSDP checkpoint resumed without FSDP")
 def test_fsdp_resumes_exactly_reshards_to_three_processes_and_refuses_what_it_cannot_read(fsdp, tmp_path):
     reference, _ = fsdp

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import committed_steps, job_env, max_weight_difference, run_job, termination_message, with_faults
 from trainer.checkpointing import commits as checkpoints
+from trainer.core import files
 
 STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="8", FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_TOTAL_LIMIT="2", FT_SYSTEM_METRICS="false")
 # The demo's checkpoint is 5.4 MB (1.8 MB weights, 3.6 MB AdamW states), its final model 1.8 MB: leaving half of
@@ -160,16 +162,27 @@ def test_a_damaged_newest_checkpoint_is_set_aside_naming_the_file_and_the_job_re
     assert max_weight_difference(volume / "final" / "model" / "model.safetensors", straight) == 0.0  # nothing trained on the damaged state
 
 
-def test_a_manifest_without_checksums_from_an_older_version_is_resumed_after_a_size_check(tmp_path, capsys):
+def test_a_manifest_without_checksums_does_not_count_and_the_checkpoint_is_set_aside(tmp_path, capsys):
     folder = tmp_path / "checkpoints" / "checkpoint-3"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"weights")
     (folder / "commit.json").write_text(json.dumps({"step": 3, "files": {"model.safetensors": 7}, "committed_at": 0}))
 
-    assert checkpoints.latest_for_resume(str(tmp_path / "checkpoints"), str(tmp_path / "incomplete")) == str(folder)
-    assert "checkpoint at step 3 was committed without checksums (an older fulltune): only its file sizes were checked" in capsys.readouterr().out
-
-    (folder / "model.safetensors").write_bytes(b"weight")  # one byte short: damaged even without a checksum
+    assert not checkpoints.is_committed(str(folder))
     assert checkpoints.latest_for_resume(str(tmp_path / "checkpoints"), str(tmp_path / "incomplete")) is None
-    assert "checkpoint at step 3 is damaged, not resumed: model.safetensors has 6 bytes, 7 at commit (truncated)" in capsys.readouterr().out
-    assert [p.name.split(".")[:2] for p in (tmp_path / "incomplete").iterdir()] == [["checkpoint-3", "damaged"]]
+    assert "checkpoint at step 3 was never committed (save cut short)" in capsys.readouterr().out
+    assert [p.name.split(".")[0] for p in (tmp_path / "incomplete").iterdir()] == ["checkpoint-3"]
+
+
+def test_sample_answers_appended_on_a_full_volume_keep_every_earlier_line_whole(small_volume):
+    """eval-samples.jsonl grows at every evaluation: when the volume fills during an append, the earlier answers stay
+    as they were (whole JSON lines), and no half-written copy is left behind."""
+    path = small_volume / "eval-samples.jsonl"
+    files.append_lines(str(path), [json.dumps({"step": 0, "answer": "river apple"})])
+    filler = small_volume / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (shutil.disk_usage(small_volume).free - (64 << 10)))  # 64 KiB left
+    with pytest.raises(OSError):
+        files.append_lines(str(path), [json.dumps({"step": 20, "answer": "x" * (1 << 20)})])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 0, "answer": "river apple"}]
+    assert sorted(p.name for p in small_volume.iterdir()) == ["eval-samples.jsonl", "filler"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import job_env, run_job
-from trainer.core import volume
+from trainer.core import permissions
 
 NOBODY = 65534
 
@@ -57,7 +57,7 @@ def shared_tmp():
 def test_a_volume_the_jobs_user_cannot_write_is_refused_naming_the_folder_the_uid_and_the_fix(shared_tmp):
     output = shared_tmp / "output"
     output.mkdir(mode=0o755)  # owned by root, as a host folder or a fresh PersistentVolume often is
-    error = as_uid(NOBODY, volume.check_writable, str(output))
+    error = as_uid(NOBODY, permissions.check_writable, str(output))
     assert error and error.startswith("ConfigError: "), error
     for expected in (str(output), f"uid {NOBODY}", "fsGroup", "docker run --user", f"chown {NOBODY}"):
         assert expected in error, expected
@@ -66,7 +66,7 @@ def test_a_volume_the_jobs_user_cannot_write_is_refused_naming_the_folder_the_ui
 def test_a_writable_volume_passes_and_keeps_no_trace_and_a_missing_folder_is_created(shared_tmp):
     shared_tmp.chmod(0o777)
     output = shared_tmp / "run1" / "output"
-    assert as_uid(NOBODY, volume.check_writable, str(output)) is None
+    assert as_uid(NOBODY, permissions.check_writable, str(output)) is None
     assert output.is_dir() and list(output.iterdir()) == []
 
 
@@ -112,3 +112,4 @@ def test_the_final_model_and_checkpoints_are_readable_by_another_uid(shared_tmp)
 
     model = AutoModelForCausalLM.from_pretrained(copies / "model")
     assert model.num_parameters() > 0 and AutoTokenizer.from_pretrained(copies / "model").chat_template
+

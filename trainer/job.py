@@ -1,6 +1,6 @@
 """The job, top to bottom: plan, data, model, train (resuming), save, register.
 
-    entrypoint.py (settings parsed once) -> launch.py (accelerate) -> python -m trainer -> main() -> run(config)
+    entrypoint.py (settings parsed once) -> launch/launcher.py (accelerate) -> python -m trainer -> main() -> run(config)
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ from trainer.core import config as job_config
 from trainer.core import ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
-from trainer.core.errors import Preempted, exit_code_for, record_exit
-from trainer.core.volume import Volume, follow_umask, staged
+from trainer.core.ending import exit_code_for, record_exit
+from trainer.core.errors import Preempted
+from trainer.core.files import staged
+from trainer.core.permissions import follow_umask
+from trainer.core.volume import Volume
 from trainer.data import demo
 from trainer.data import prepare as data
 from trainer.model import hub, memory, recipe, sharding
 from trainer.model import loading as model
-from trainer.tracking import packaging, progress, report, samples, summary
+from trainer.tracking import packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
 from trainer.tracking.run import MetricsCallback, Tracker
 
@@ -33,7 +36,7 @@ STARTED = time.perf_counter()  # the training process's start, for the summary l
 def run(config: Config, tracker: Tracker) -> None:
     settings = config.settings
     stopper = preemption.StopOnSignal(settings.stop_deadline_seconds)  # first: a stop during loading is seen
-    progress.quiet_libraries(settings.log_level)
+    quiet.quiet_libraries(settings.log_level)
     _debug(settings, "imported")
     ranks.start(config)  # several processes: join them, and check they all run this configuration
     volume = Volume(settings.output_dir)
@@ -53,10 +56,10 @@ def run(config: Config, tracker: Tracker) -> None:
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
-    checkpoints.check_sharding(checkpoints.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
+    sharding.check_resumable(checkpoints.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
-    checkpoints.check_fingerprint(config)
+    job_config.check_fingerprint(config)
     _print_plan(config, prepared, plan)
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
@@ -109,11 +112,11 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     settings, cuda = config.settings, config.cuda
     tracker = tracker or Tracker(config, enabled=False)
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
-    progress.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
+    quiet.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
     eval_rows = recipe.eval_rows(settings, prepared.eval)
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
-    trainer = sharding.trainer_class()(  # TRL's SFTTrainer; under FSDP it shards on CPU processes too
+    trainer = sharding.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer; under FSDP it shards on CPU processes too
         model=net,
         args=args,
         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
@@ -122,7 +125,8 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         eval_dataset=eval_rows,
         processing_class=tokenizer,
         callbacks=[
-            checkpoints.CommitCheckpoints(settings.save_total_limit, Volume(settings.output_dir).incomplete),
+            divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete),  # before the commit: a NaN save never counts
+            checkpoints.CommitCheckpoints(settings.save_total_limit),
             *callbacks,
             *([sharding.ReportShards()] if plan.strategy == "fsdp" else []),
             *_sample_answers(config, tokenizer, prepared, plan, tracker),
@@ -158,7 +162,8 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
     trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
     tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
     print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
-    with diskfull.reported(volume.root, lambda: _full_during_training(config, trainer, volume)):
+    estimate = config.precision.checkpoint_bytes * trainer.model.num_parameters()  # until a checkpoint says how big one is
+    with diskfull.reported(volume.root, lambda: diskfull.while_training(volume, trainer.state.global_step, estimate)):
         trainer.train(resume_from_checkpoint=resume)
     if stopper.requested:
         tracker.ended_training(f"stopped by a signal at step {trainer.state.global_step} (exit 75)")
@@ -168,24 +173,6 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
         _stopped_early(config, trainer, tracker)
     tracker.ended_training(f"finished at step {trainer.state.global_step}")
     return trainer
-
-
-def _full_during_training(config: Config, trainer: Any, volume: Volume) -> tuple[str, int, str]:
-    """Exit 6 while training: set the checkpoint cut short aside; it needs about as much as the last committed one."""
-    moved = checkpoints.set_aside_uncommitted(volume.checkpoints, volume.incomplete, "volume-full") if ranks.is_main() else []
-    last = checkpoints.last_committed(volume.checkpoints)
-    needed = checkpoints.committed_bytes(last) or config.precision.checkpoint_bytes * trainer.model.num_parameters()
-    saving = f"the checkpoint at step {moved[-1][0]}" if moved else f"the next checkpoint (step {trainer.state.global_step})"
-    kept = f"every committed checkpoint, the newest {last}" if last else "nothing yet (no checkpoint was committed: a retry starts from step 0)"
-    partial = "".join(f"; the partial checkpoint-{step} is set aside in {where}" for step, where in moved)
-    return saving, needed, kept + partial
-
-
-def _full_elsewhere(volume: Volume) -> tuple[str, int, str]:
-    """Exit 6 from any other write (the data cache, the job's state, the embedded MLflow store)."""
-    last = checkpoints.last_committed(volume.checkpoints)
-    kept = f"every committed checkpoint, the newest {last}" if last else "every file already written (no checkpoint was committed yet)"
-    return "a checkpoint of this job", checkpoints.committed_bytes(last), kept
 
 
 def _stopped_early(config: Config, trainer: Any, tracker: Tracker) -> None:
@@ -216,7 +203,7 @@ def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume, tra
         "model_size_parameters": model.describe_size(n_params),
         "parameter_count": str(n_params),
     }
-    with diskfull.reported(volume.root, lambda: _full_during_final_save(config, n_params, volume)):
+    with diskfull.reported(volume.root, lambda: diskfull.while_saving_final(volume, config.precision.serving_bytes * n_params)):
         with staged(volume.final) as partial:
             packaging.save_model(net, tokenizer, partial, metadata, served_name=_served_name(settings.registered_model, metadata["pretrained_model_name"]))
             follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
@@ -230,12 +217,6 @@ def _served_name(registered: str, base: str) -> str:
     """The name the served model answers with: the registered name, else the base model's hub id (a local base
     model's folder name: a path says nothing to a chat client)."""
     return registered or (os.path.basename(os.path.normpath(base)) if os.path.isdir(base) else base)
-
-
-def _full_during_final_save(config: Config, n_params: int, volume: Volume) -> tuple[str, int, str]:
-    last = checkpoints.last_committed(volume.checkpoints)
-    kept = f"every committed checkpoint, the newest {last} (a retry resumes there and saves the final model again)" if last else "no committed checkpoint"
-    return "the final model", config.precision.serving_bytes * n_params, f"{kept}; the partial final model {volume.final}.partial is removed by the retry"
 
 
 def _whole_model(trainer: Any, volume: Volume) -> Any:
@@ -287,7 +268,7 @@ def main() -> int:
     try:
         config = job_config.handed_over()
         tracker = Tracker(config)
-        with diskfull.reported(config.settings.output_dir, lambda: _full_elsewhere(Volume(config.settings.output_dir))):
+        with diskfull.reported(config.settings.output_dir, lambda: diskfull.elsewhere(Volume(config.settings.output_dir))):
             run(config, tracker)
         code = 0
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code

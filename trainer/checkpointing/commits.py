@@ -5,11 +5,8 @@ its size and its xxh3-128 checksum.  The manifest is written last, after every o
 disk; a folder without a valid manifest is a save that was cut short (transformers #35782 resumes from
 those).  Before resuming, the newest committed checkpoint is read back against its checksums: bytes that
 changed on the volume since the commit (a bad disk, a copy cut short, a hand edit) set it aside and the
-previous committed one is used, never the damaged one.  Manifests written before checksums were recorded
-are checked by size only.  A save whose
-weights hold a NaN or an infinity is never committed: it is set aside and the job stops (exit 5), so
-every committed checkpoint is one a retry can resume from.  We chose a
-manifest over renaming a staging folder because rename is not atomic on object-store mounts (gcsfuse,
+previous committed one is used, never the damaged one.  A save whose weights are not finite never gets
+here (trainer/checkpointing/divergence.py).  We chose a manifest over renaming a staging folder because rename is not atomic on object-store mounts (gcsfuse,
 mountpoint-s3, SageMaker's /opt/ml/checkpoints sync).
 
 Retention is ours, not transformers': its `_rotate_checkpoints` deletes older checkpoints *before* the
@@ -28,14 +25,11 @@ import xxhash
 from transformers import TrainerCallback
 
 from trainer.core import ranks
-from trainer.core.config import Config
-from trainer.core.errors import ConfigError, Diverged
-from trainer.core.volume import Volume, follow_umask, read_json, write_json
+from trainer.core.files import write_json
+from trainer.core.permissions import follow_umask
 
 MANIFEST = "commit.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # accelerate's FSDP_MODEL_NAME, FULL_STATE_DICT
-
 
 CHECKSUM = "xxh3_128"  # 5.6-6 GB/s on one core from the page cache (bench/checksum.py); it finds damage, not tampering (not cryptographic)
 CHUNK = 16 << 20
@@ -75,7 +69,8 @@ def _manifest(folder: str) -> dict | None:
     try:
         with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
-        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
+        valid = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and isinstance(manifest.get(CHECKSUM), dict)
+        return manifest if valid else None
     except (OSError, ValueError):
         return None
 
@@ -91,11 +86,11 @@ def is_committed(folder: str) -> bool:
 
 def damage(folder: str, read: bool = True) -> str | None:
     """What differs from the manifest, naming the file (None: intact).  `read`: every byte of every file is read back
-    against its checksum (manifests written before checksums were recorded: sizes only)."""
+    against its checksum."""
     manifest = _manifest(folder)
     if manifest is None:
         return f"{MANIFEST} is missing or unreadable"
-    checksums = (manifest.get(CHECKSUM) or {}) if read else {}
+    checksums = manifest[CHECKSUM] if read else {}
     for name, size in manifest["files"].items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
@@ -103,7 +98,7 @@ def damage(folder: str, read: bool = True) -> str | None:
         actual = os.path.getsize(path)
         if actual != size:
             return f"{name} has {actual} bytes, {size} at commit ({'truncated' if actual < size else 'grown'})"
-        if name in checksums and _checksum(path) != checksums[name]:
+        if read and _checksum(path) != checksums.get(name):
             return f"{name} does not match its {CHECKSUM} checksum recorded at commit (its bytes changed)"
     return None
 
@@ -137,8 +132,6 @@ def latest_for_resume(checkpoint_dir: str, quarantine_dir: str, verify: bool = T
     for step, path in reversed(_checkpoints(checkpoint_dir)):
         problem = damage(path)
         if problem is None:
-            if CHECKSUM not in (_manifest(path) or {}):
-                print(f"fulltune: checkpoint at step {step} was committed without checksums (an older fulltune): only its file sizes were checked", flush=True)
             return path
         _set_aside_damaged(step, path, problem, quarantine_dir)
     return None
@@ -147,26 +140,6 @@ def latest_for_resume(checkpoint_dir: str, quarantine_dir: str, verify: bool = T
 def _set_aside_damaged(step: int, path: str, problem: str, quarantine_dir: str) -> None:
     target = set_aside(path, quarantine_dir, "damaged")
     print(f"fulltune: warning: checkpoint at step {step} is damaged, not resumed: {problem}; moved to {target}", flush=True)
-
-
-def check_sharding(checkpoint: str | None, strategy: str) -> None:
-    """Refuse (exit 2), before any weights load, to resume a checkpoint in a layout this job cannot read.
-
-    Under FSDP, accelerate writes the whole weights and AdamW states keyed by parameter name (`pytorch_model_fsdp.bin`,
-    `optimizer.bin`, gathered on rank 0), which any number of FSDP processes can load; one process or DDP write
-    torch's own `optimizer.pt`, keyed by position.  transformers 5.24 resumes each only the way it was written (a
-    ValueError or a missing file after the model has loaded)."""
-    if checkpoint is None:
-        return
-    by_fsdp = os.path.exists(os.path.join(checkpoint, FSDP_WEIGHTS))
-    if by_fsdp == (strategy == "fsdp"):
-        return
-    written, now = ("FSDP", strategy if strategy != "none" else "one process") if by_fsdp else ("one process or DDP", "fsdp")
-    way = "FT_DISTRIBUTED=fsdp with 2 or more processes" if by_fsdp else "FT_DISTRIBUTED=ddp (or one process)"
-    raise ConfigError(
-        f"the checkpoint to resume, {checkpoint}, was written by {written} and this job runs {now}: its weights and optimizer "
-        f"states are stored in that layout only. Resume with {way}, or use a new FT_OUTPUT_DIR."
-    )
 
 
 def last_committed(checkpoint_dir: str) -> str | None:
@@ -201,24 +174,6 @@ def set_aside(path: str, quarantine_dir: str, why: str = "") -> str:
     return target
 
 
-def nonfinite_parameters(model) -> list[str]:
-    """Names of the parameters holding a NaN or an infinity (one reduction per tensor, on its device)."""
-    import torch
-
-    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
-
-
-def diverged(step: int, why: str, checkpoint_dir: str) -> Diverged:
-    """Exit 5, naming the step, the last good checkpoint and what to change (the same settings diverge again)."""
-    last = last_committed(checkpoint_dir)
-    good = f"the last good checkpoint is {last}" if last else "no checkpoint was committed before it"
-    return Diverged(
-        f"training diverged at step {step}: {why}; {good}. Nothing was registered and no final model was saved. "
-        "A retry with the same settings diverges again: lower FT_LEARNING_RATE (or raise FT_WARMUP_STEPS, or check the data), "
-        "then resume with FT_ALLOW_CONFIG_CHANGE=true or start a new FT_OUTPUT_DIR."
-    )
-
-
 def rotate(checkpoint_dir: str, keep: int, best: str | None) -> None:
     """Delete committed checkpoints beyond the newest `keep`, never the best one."""
     found = committed(checkpoint_dir)
@@ -229,20 +184,14 @@ def rotate(checkpoint_dir: str, keep: int, best: str | None) -> None:
 
 
 class CommitCheckpoints(TrainerCallback):
-    """After transformers writes `checkpoint-N`, check its weights are finite, commit it, then apply our retention."""
+    """After transformers writes `checkpoint-N` (and divergence.RefuseNonFiniteCheckpoint found its weights finite),
+    commit it, then apply our retention."""
 
-    def __init__(self, keep: int, quarantine_dir: str | None = None):
-        self.keep, self.quarantine_dir = keep, quarantine_dir  # None: the volume's incomplete/ beside args.output_dir
+    def __init__(self, keep: int):
+        self.keep = keep
 
-    def on_save(self, args, state, control, model=None, **kwargs):
+    def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        bad = nonfinite_parameters(model) if model is not None else []
-        if ranks.any_rank(bool(bad)):  # every rank stops here, not only those whose shard holds the NaN
-            target = folder
-            if ranks.is_main():
-                target = set_aside(folder, self.quarantine_dir or Volume(os.path.dirname(os.path.abspath(args.output_dir))).incomplete, "not-finite")
-            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-            raise diverged(state.global_step, f"the weights hold NaN or infinite values ({shown or 'on another rank'}); that checkpoint is set aside in {target}", args.output_dir)
         ranks.barrier()  # every rank has written its part (its RNG state; its shards under FSDP)
         if ranks.is_main():  # one manifest, written last, by one rank
             commit(folder, state.global_step)
@@ -250,28 +199,3 @@ class CommitCheckpoints(TrainerCallback):
             print(f"fulltune: committed checkpoint at step {state.global_step}: {folder}", flush=True)
         ranks.barrier()  # no rank goes on, or stops, before the checkpoint counts
 
-
-# -- What the checkpoints on a volume belong to ------------------------------------------------
-
-
-def check_fingerprint(config: Config) -> None:
-    """Refuse (exit 2) to resume checkpoints written for a different computation, unless allowed.
-
-    The fingerprint holds every setting whose `changes` flag is set (trainer/core/settings.py), so a setting
-    that changes the result cannot be forgotten here."""
-    settings = config.settings
-    current = config.fingerprint()
-    path = Volume(settings.output_dir).fingerprint_file
-    recorded = read_json(path)
-    if recorded is not None:
-        differences = [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now" for k in {**recorded, **current} if recorded.get(k) != current.get(k)]
-        if differences and not settings.allow_config_change:
-            raise ConfigError(
-                f"the checkpoints in {settings.output_dir} belong to a different configuration ("
-                + "; ".join(differences)
-                + "). Use a new FT_OUTPUT_DIR, restore the settings, or set FT_ALLOW_CONFIG_CHANGE=true to resume anyway."
-            )
-        if differences:
-            print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
-    if ranks.is_main():
-        write_json(path, current)

@@ -6,28 +6,25 @@ store (SQLite) as "database or disk is full".  So the exception and its causes a
 those messages; an I/O error that names neither counts when the volume has (almost) no byte left.  A full quota
 (EDQUOT) that torch reports without its errno is not recognised that way (free bytes do not show a quota): it
 stays exit 1, with its traceback.
+
+The message of exit 6 is written here alone: what was being saved, about how many bytes it needs, and what is
+kept, for each place a save can find the volume full (`while_training`, `while_saving_final`, `elsewhere`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import os
-import shutil
 from collections.abc import Callable, Iterator
 
+from trainer.checkpointing import commits
+from trainer.core import ranks
 from trainer.core.errors import FulltuneError, VolumeFull
+from trainer.core.volume import Volume, free_bytes
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 FULL_MESSAGES = ("no space left on device", "disk quota exceeded", "os error 28", "os error 122", "database or disk is full")
 NEARLY_NOTHING = 1 << 20  # bytes: no save of a model fits in less
-
-
-def free_bytes(folder: str) -> int:
-    """Bytes this process may still write on the volume holding `folder` (its nearest existing parent)."""
-    while folder and not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    return shutil.disk_usage(folder or ".").free
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -74,3 +71,29 @@ def reported(output_dir: str, situation: Callable[[], tuple[str, int | None, str
         if not is_full(error, output_dir):
             raise
         raise VolumeFull(describe(output_dir, *situation())) from error
+
+
+Situation = tuple[str, int | None, str]  # what was being saved, about how many bytes it needs, what was kept
+
+
+def while_training(volume: Volume, step: int, estimate: int) -> Situation:
+    """Set the checkpoint cut short aside; it needs about as much as the last committed one (else `estimate` bytes)."""
+    moved = commits.set_aside_uncommitted(volume.checkpoints, volume.incomplete, "volume-full") if ranks.is_main() else []
+    last = commits.last_committed(volume.checkpoints)
+    saving = f"the checkpoint at step {moved[-1][0]}" if moved else f"the next checkpoint (step {step})"
+    kept = f"every committed checkpoint, the newest {last}" if last else "nothing yet (no checkpoint was committed: a retry starts from step 0)"
+    partial = "".join(f"; the partial checkpoint-{moved_step} is set aside in {where}" for moved_step, where in moved)
+    return saving, commits.committed_bytes(last) or estimate, kept + partial
+
+
+def while_saving_final(volume: Volume, needed: int) -> Situation:
+    last = commits.last_committed(volume.checkpoints)
+    kept = f"every committed checkpoint, the newest {last} (a retry resumes there and saves the final model again)" if last else "no committed checkpoint"
+    return "the final model", needed, f"{kept}; the partial final model {volume.final}.partial is removed by the retry"
+
+
+def elsewhere(volume: Volume) -> Situation:
+    """Any other write (the data cache, the job's state, the embedded MLflow store)."""
+    last = commits.last_committed(volume.checkpoints)
+    kept = f"every committed checkpoint, the newest {last}" if last else "every file already written (no checkpoint was committed yet)"
+    return "a checkpoint of this job", commits.committed_bytes(last), kept

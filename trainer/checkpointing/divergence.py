@@ -1,21 +1,38 @@
 """A diverging run stops (exit 5) instead of training on, then committing and registering a broken model.
 
-A logged training loss that is NaN, infinite, or above FT_LOSS_LIMIT at FT_DIVERGENCE_PATIENCE logging
-steps in a row stops the job: a retry with the same settings would diverge the same way.  The weights of
-every checkpoint are checked separately, before its manifest is written (checkpoints.CommitCheckpoints),
-because a NaN can reach them between two logging steps.
+Everything about divergence is here: how the loss is seen, when it counts as diverged, the weights' check
+before a checkpoint counts, and the message of exit 5.
 
-transformers' `logging_nan_inf_filter` is off (trainer/model/recipe.py): with it, a NaN step is logged as the
-window's running average (0.0 once every step is NaN), which hides exactly this.
+- A logged training loss that is NaN, infinite, or above FT_LOSS_LIMIT at FT_DIVERGENCE_PATIENCE logging
+  steps in a row stops the job: a retry with the same settings would diverge the same way.
+- The weights of every checkpoint are checked before its manifest is written (`RefuseNonFiniteCheckpoint`
+  runs before commits.CommitCheckpoints), because a NaN can reach them between two logging steps.
+- transformers' `logging_nan_inf_filter` is turned off: with it, a NaN step is logged as the window's running
+  average (0.0 once every step is NaN), which hides exactly this.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 from transformers import TrainerCallback
 
-from trainer.checkpointing import commits as checkpoints
+from trainer.checkpointing import commits
+from trainer.core import ranks
+from trainer.core.errors import Diverged
+from trainer.core.volume import Volume
+
+
+def diverged(step: int, why: str, checkpoint_dir: str) -> Diverged:
+    """Exit 5, naming the step, the last good checkpoint and what to change (the same settings diverge again)."""
+    last = commits.last_committed(checkpoint_dir)
+    good = f"the last good checkpoint is {last}" if last else "no checkpoint was committed before it"
+    return Diverged(
+        f"training diverged at step {step}: {why}; {good}. Nothing was registered and no final model was saved. "
+        "A retry with the same settings diverges again: lower FT_LEARNING_RATE (or raise FT_WARMUP_STEPS, or check the data), "
+        "then resume with FT_ALLOW_CONFIG_CHANGE=true or start a new FT_OUTPUT_DIR."
+    )
 
 
 class StopOnDivergence(TrainerCallback):
@@ -24,6 +41,10 @@ class StopOnDivergence(TrainerCallback):
     def __init__(self, patience: int, limit: float):
         self.patience, self.limit = patience, limit
         self.streak = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # The Trainer reads the flag at every step: off, a NaN loss reaches on_log as NaN (see the module docstring).
+        args.logging_nan_inf_filter = False
 
     def diverging(self, loss: float) -> str | None:
         """Why this logged loss counts as diverging, or None."""
@@ -40,4 +61,30 @@ class StopOnDivergence(TrainerCallback):
         why = self.diverging(float(loss))
         self.streak = self.streak + 1 if why else 0
         if why and self.streak >= self.patience:
-            raise checkpoints.diverged(state.global_step, f"{why} at {self.streak} logging step(s) in a row (FT_DIVERGENCE_PATIENCE={self.patience})", args.output_dir)
+            raise diverged(state.global_step, f"{why} at {self.streak} logging step(s) in a row (FT_DIVERGENCE_PATIENCE={self.patience})", args.output_dir)
+
+
+def nonfinite_parameters(model) -> list[str]:
+    """Names of the parameters holding a NaN or an infinity (one reduction per tensor, on its device)."""
+    import torch
+
+    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+class RefuseNonFiniteCheckpoint(TrainerCallback):
+    """Before commits.CommitCheckpoints: a save whose weights hold a NaN or an infinity is set aside, never committed,
+    and the job stops (exit 5), so every committed checkpoint is one a retry can resume from.  Always on, whatever
+    FT_DIVERGENCE_PATIENCE says."""
+
+    def __init__(self, quarantine_dir: str | None = None):
+        self.quarantine_dir = quarantine_dir  # None: the volume's incomplete/ beside args.output_dir
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        bad = nonfinite_parameters(model) if model is not None else []
+        if not ranks.any_rank(bool(bad)):  # every rank stops here, not only those whose shard holds the NaN
+            return
+        target = folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if ranks.is_main():
+            target = commits.set_aside(folder, self.quarantine_dir or Volume(os.path.dirname(os.path.abspath(args.output_dir))).incomplete, "not-finite")
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise diverged(state.global_step, f"the weights hold NaN or infinite values ({shown or 'on another rank'}); that checkpoint is set aside in {target}", args.output_dir)

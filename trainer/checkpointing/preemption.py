@@ -17,7 +17,8 @@ import time
 from transformers import TrainerCallback
 
 from trainer.core import ranks
-from trainer.core.errors import LAUNCHER_PID, Preempted, StopAbandoned, record_exit, write_termination_message
+from trainer.core.ending import LAUNCHER_PID, announce, record_exit
+from trainer.core.errors import Preempted, StopAbandoned
 
 
 class StopOnSignal(TrainerCallback):
@@ -54,9 +55,7 @@ class StopOnSignal(TrainerCallback):
         self._leave(StopAbandoned.exit_code, f"{why}; a retry resumes from the last committed checkpoint")
 
     def _leave(self, code: int, why: str) -> None:
-        message = f"exit {code}: {why}"
-        print(f"fulltune: {message}", flush=True)
-        write_termination_message(message)
+        announce(code, why)
         record_exit(code)
         os._exit(code)  # from a signal handler or timer thread: no clean-up can be trusted to finish in time
 

@@ -1,7 +1,7 @@
 """What one job runs with: the settings, parsed once by entrypoint.py, plus what follows from them and the
 machine (device, precision), handed to the training process as data.
 
-The training process never reads `FT_*` variables: `launch.py` passes this configuration in one variable,
+The training process never reads `FT_*` variables: `trainer/launch/launcher.py` passes this configuration in one variable,
 `FULLTUNE_CONFIG` (JSON), so every process of a job (and, later, every rank) runs with exactly what was
 validated and logged, even if its environment differs.
 """
@@ -14,10 +14,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.core import errors
+from trainer.core import ending, ranks
 from trainer.core import settings as settings_table
 from trainer.core.errors import ConfigError
+from trainer.core.files import read_json, write_json
 from trainer.core.settings import Settings
+from trainer.core.volume import Volume
 
 VARIABLE = "FULLTUNE_CONFIG"
 
@@ -117,10 +119,8 @@ class Config:
         values = settings_table.changing(self.settings, ("data", "training"))
         for resolved_here in ("precision", "num_processes", "num_nodes"):
             del values[resolved_here]
-        fingerprint = {f"FT_{name.upper()}": str(value) for name, value in values.items()} | {"precision": self.precision.name}
-        if self.world_size > 1:  # the global batch grows with the processes (recorded only then: one-process volumes stay as they were)
-            fingerprint["world_size"] = str(self.world_size)
-        return fingerprint
+        # world_size: the global batch grows with the processes
+        return {f"FT_{name.upper()}": str(value) for name, value in values.items()} | {"precision": self.precision.name, "world_size": str(self.world_size)}
 
     def to_json(self) -> str:
         return json.dumps({"settings": dataclasses.asdict(self.settings), "cuda": self.cuda, "precision": self.precision.name, "processes_per_node": self.processes_per_node})
@@ -140,7 +140,7 @@ def build(settings: Settings, cuda: bool | None = None, bf16_supported: bool | N
         cuda = torch.cuda.is_available()
         bf16_supported = cuda and torch.cuda.is_bf16_supported()
         gpus = torch.cuda.device_count() if cuda else 0
-    errors.set_termination_message_path(settings.termination_message_path)
+    ending.set_termination_message_path(settings.termination_message_path)
     check_device_levers(settings, cuda)
     processes = settings.num_processes or max(gpus, 1)
     if cuda and gpus and processes > gpus:
@@ -166,5 +166,28 @@ def handed_over(environ: Mapping[str, str] | None = None) -> Config:
     if VARIABLE not in environ:
         raise ConfigError(f"{VARIABLE} is not set: start the job with entrypoint.py, which validates the FT_* settings and passes them on")
     config = Config.from_json(environ[VARIABLE])
-    errors.set_termination_message_path(config.settings.termination_message_path)
+    ending.set_termination_message_path(config.settings.termination_message_path)
     return config
+
+
+def check_fingerprint(config: Config) -> None:
+    """Refuse (exit 2) to resume checkpoints written for a different computation, unless allowed.
+
+    The fingerprint holds every setting whose `changes` flag is set (trainer/core/settings.py), so a setting
+    that changes the result cannot be forgotten here."""
+    settings = config.settings
+    current = config.fingerprint()
+    path = Volume(settings.output_dir).fingerprint_file
+    recorded = read_json(path)
+    if recorded is not None:
+        differences = [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now" for k in {**recorded, **current} if recorded.get(k) != current.get(k)]
+        if differences and not settings.allow_config_change:
+            raise ConfigError(
+                f"the checkpoints in {settings.output_dir} belong to a different configuration ("
+                + "; ".join(differences)
+                + "). Use a new FT_OUTPUT_DIR, restore the settings, or set FT_ALLOW_CONFIG_CHANGE=true to resume anyway."
+            )
+        if differences:
+            print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
+    if ranks.is_main():
+        write_json(path, current)

@@ -2,13 +2,11 @@
 
 Kubernetes `podFailurePolicy`, AWS Batch `evaluateOnExit` and SageMaker read only the exit code, so
 each class says whose fault it was and whether a retry can help.  The README's table of exit codes
-is checked against `EXIT_CODES` by a test.
+is checked against `EXIT_CODES` by a test.  How the ending is told (the exit line, the termination message,
+the code each rank leaves for the launcher) is trainer/core/ending.py's.
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 EXIT_CODES = {
     0: "Success: the model is saved, registered (unless FT_REGISTERED_MODEL is empty), and the run is finished; also a restart of a job that already finished (nothing runs again).",
@@ -107,70 +105,3 @@ class StopAbandoned(FulltuneError):
 
     exit_code = 76
     show_traceback = False
-
-
-DEFAULT_TERMINATION_LOG = "/dev/termination-log"
-_termination_path: str | None = None  # FT_TERMINATION_MESSAGE_PATH once the settings are parsed
-
-
-def set_termination_message_path(path: str) -> None:
-    global _termination_path
-    _termination_path = path
-
-
-def termination_message_path() -> str | None:
-    """Where Kubernetes (and batch consoles) read the reason a container ended.
-
-    The default is used only where it exists (Kubernetes mounts it into every container), so a run
-    on a laptop as root does not create a file under /dev.  An explicit path is always written.
-    Before the settings are parsed (their own errors), the raw variable is the only source.
-    """
-    path = _termination_path if _termination_path is not None else os.environ.get("FT_TERMINATION_MESSAGE_PATH", DEFAULT_TERMINATION_LOG)
-    if path == DEFAULT_TERMINATION_LOG and not os.path.exists(path):
-        return None
-    return path or None
-
-
-def write_termination_message(message: str) -> None:
-    """Write one line to the termination-message file; never fail the exit path because of it."""
-    path = termination_message_path()
-    if not path:
-        return
-    line = " ".join(message.split())[:4000]  # Kubernetes keeps at most 4096 bytes.
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(line + "\n")
-    except OSError:
-        pass  # Not writable outside Kubernetes (e.g. /dev/termination-log on a laptop).
-
-
-EXIT_FILE = "FULLTUNE_EXIT_FILE"  # set by launch.py for several processes: torchrun reports any failure as 1
-LAUNCHER_PID = "FULLTUNE_LAUNCHER_PID"  # set by launch.py: the training processes end with it (trainer/checkpointing/preemption.py)
-
-
-def record_exit(code: int) -> None:
-    """Leave this rank's exit code where launch.py reads it (`<file>.<local rank>`), so the job's code survives torchrun."""
-    path = os.environ.get(EXIT_FILE)
-    if not path:
-        return
-    try:
-        with open(f"{path}.{os.environ.get('LOCAL_RANK', '0')}", "w", encoding="utf-8") as f:
-            f.write(f"{code}\n")
-    except OSError:
-        pass  # the exit code still reaches torchrun
-
-
-def exit_code_for(error: BaseException) -> int:
-    """Map any exception to the documented exit code, print one line, and leave a termination message."""
-    if isinstance(error, FulltuneError):
-        code = error.exit_code
-        message = str(error)
-    elif type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
-        code = OutOfMemory.exit_code
-        message = f"out of GPU memory: {error}"
-    else:
-        code = 1
-        message = f"unexpected {type(error).__name__}: {error}"
-    print(f"fulltune: exit {code}: {message}", file=sys.stderr, flush=True)
-    write_termination_message(f"exit {code}: {message}")
-    return code

@@ -250,7 +250,12 @@ def _layered_env(values: Mapping[str, str]) -> Any:
 
     class LayeredEnv(Env):
         """environs reads `os.environ`; this reads the layered values (platform < preset < explicit) instead,
-        so parsing neither changes nor depends on the process environment (environs 15's `_get_value`)."""
+        so parsing neither changes nor depends on the process environment.
+
+        `_get_value` is private (environs 15.2.0: `os.environ[key]`, then `self._environ`), and environs has no
+        public way to parse a mapping; the alternative, writing the values into `os.environ` for the parse, would
+        change the process environment.  Remove this once `Env` accepts a mapping (tests/test_settings.py fails
+        loudly if the method is renamed: no FT_* value would be read)."""
 
         def _get_value(self, env_key: str, default: Any) -> Any:
             return values.get(env_key, default)

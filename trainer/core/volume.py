@@ -1,26 +1,21 @@
-"""The output volume (`FT_OUTPUT_DIR`): every path fulltune writes there, how it writes them, and the job's status.
+"""The output volume (`FT_OUTPUT_DIR`): every path fulltune writes there, the job's status, and the room left.
 
     volume = Volume(settings.output_dir)
-    volume.checkpoints            # checkpoints/checkpoint-N/ (what counts as committed: checkpoints.py)
-    write_json(volume.status_file, {...})   # never a half-written file, whatever kills the process
-    with staged(volume.final) as partial:   # never a half-written folder: built aside, then renamed into place
-        ...
+    volume.checkpoints                      # checkpoints/checkpoint-N/ (what counts as committed: commits.py)
+    volume.status().done(registering=True)  # what earlier attempts of this job finished
+    free_bytes(volume.checkpoints)          # room left on the volume, asked of the nearest folder that exists
 
 The README's "What lands on the volume" table lists the same paths.  Nothing else in the package joins
-paths under `FT_OUTPUT_DIR`.
+paths under `FT_OUTPUT_DIR`.  How files are written there is trainer/core/files.py's; who may write and read
+them, trainer/core/permissions.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
-from typing import Any
 
-from trainer.core.errors import ConfigError
+from trainer.core.files import read_json, write_json
 
 
 class Volume:
@@ -146,100 +141,10 @@ class Status:
         return self.final_model if self.final_model and not registering else None
 
 
-def read_json(path: str, default: Any = None) -> Any:
-    if not os.path.exists(path):
-        return default
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def write_json(path: str, value: Any) -> None:
-    write_text(path, json.dumps(value, indent=1, ensure_ascii=False))
-
-
-def write_text(path: str, text: str) -> None:
-    """Write to a temporary file, flush it to disk, then rename it over `path`: readers see the old or the new."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    partial = path + ".tmp"
-    with open(partial, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-
-
-@contextlib.contextmanager
-def staged(target: str) -> Iterator[str]:
-    """Yield `<target>.partial` to fill; on success it replaces `target`, on failure it is left for the next try.
-
-    A folder, unlike a file, cannot be renamed over an existing one, so the old `target` is removed just
-    before the rename: a crash between the two leaves `.partial` complete, and the next attempt redoes it.
-    """
-    partial = target + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(os.path.dirname(partial) or ".", exist_ok=True)
-    yield partial
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(partial, target)
-
-
-# -- Who can write the volume, and who can read what the job wrote ----------------------------------
-# The volume usually outlives the job and is read by someone else: a serving pod, a notebook or a copy
-# job that runs under another uid on the same PersistentVolumeClaim.
-
-
-def check_writable(output_dir: str) -> None:
-    """Fail in a second (exit 2) when the job's user cannot write FT_OUTPUT_DIR, naming the fix.
-
-    The usual cause is a volume owned by root or by the host user while the image runs as uid 10001;
-    without this check the job would load the model and data first and fail at its first write.
-    """
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".fulltune-write-check-", dir=output_dir)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as error:
-        uid, gid = os.getuid(), os.getgid()
-        raise ConfigError(
-            f"FT_OUTPUT_DIR={output_dir} is not writable by this process (uid {uid}, gid {gid}): {error.strerror}. "
-            f"Give uid {uid} write access to the volume: on Kubernetes set the pod's securityContext.fsGroup (e.g. fsGroup: {gid}); "
-            f"with docker run, mount a folder owned by uid {uid} (`chown {uid}:{gid} FOLDER` on the host) "
-            "or run as the folder's owner (`docker run --user \"$(id -u):$(id -g)\"`)."
-        ) from error
-
-
-def umask() -> int:
-    """This process's umask, read without changing it (os.umask would, for a moment, in every thread)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    current = os.umask(0o022)
-    os.umask(current)
-    return current
-
-
-def follow_umask(folder: str) -> None:
-    """Give every file and folder under `folder` the mode a plain open()/mkdir() would have given it.
-
-    safetensors writes the weights through a private temporary file (mode 0600) and renames it, so
-    without this the weights, and only they, are unreadable by any other uid.  Where the volume does
-    not support chmod (some object-store mounts) the modes stay as they are.
-    """
-    mask = umask()
-    for root, dirs, files in os.walk(folder):
-        for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
-            path = os.path.join(root, name)
-            if not os.path.islink(path):
-                try:
-                    os.chmod(path, mode & ~mask)
-                except OSError:
-                    pass
-    try:
-        os.chmod(folder, 0o777 & ~mask)
-    except OSError:
-        pass
+def free_bytes(path: str) -> int:
+    """Bytes this process may still write on the volume holding `path` (its nearest existing parent: the folder
+    itself may not exist yet)."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return shutil.disk_usage(folder).free

@@ -10,18 +10,14 @@ import json
 import os
 import random
 
-from trainer.core.volume import Volume, staged
+from trainer.core.files import staged
+from trainer.core.volume import Volume
+from trainer.data import chatml
 
 WORDS = (
     "apple river stone cloud tiger maple ocean piano rocket silver garden winter "
     "lemon castle forest candle desert violet copper falcon harbor meadow thunder pepper"
 ).split()
-DEMO_TEMPLATE = (  # ChatML, the layout Qwen3 uses, without the thinking block
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 def reversal_conversation(rng: random.Random) -> dict:
@@ -55,7 +51,7 @@ def build_tokenizer(texts: list[str]):
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
-        chat_template=DEMO_TEMPLATE,
+        chat_template=chatml.TEMPLATE,
         model_max_length=512,
     )
 

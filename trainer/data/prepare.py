@@ -24,8 +24,9 @@ from typing import Any
 from trainer.core import ranks
 from trainer.core import settings as settings_table
 from trainer.core.errors import DataError
+from trainer.core.files import read_json, staged, write_json, write_text
 from trainer.core.settings import Settings
-from trainer.core.volume import Volume, read_json, staged
+from trainer.core.volume import Volume
 from trainer.data import formats, masking, sources
 
 CACHE_VERSION = 1  # bump when the tokenized form changes
@@ -231,9 +232,7 @@ def _write_report(settings: Settings, report: dict, show: bool = True) -> str:
     path = Volume(settings.output_dir).data_report
     if not ranks.is_main():  # the others only read what rank 0 wrote
         return path
-    os.makedirs(settings.output_dir, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(report_text(report))
+    write_text(path, report_text(report))
     if show:
         heading, *lines = report_text(report).rstrip().split("\n")
         print("\n".join([f"fulltune: {heading.removeprefix('fulltune ')}: {os.path.abspath(path)}", *(f"fulltune: data: {line}" for line in lines)]), flush=True)
@@ -294,8 +293,7 @@ def _save_cache(cache: str, train: Any, evaluation: Any | None, report: dict) ->
         train.save_to_disk(os.path.join(partial, "train"))
         if evaluation is not None:
             evaluation.save_to_disk(os.path.join(partial, "eval"))
-        with open(os.path.join(partial, "report.json"), "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1, ensure_ascii=False)
+        write_json(os.path.join(partial, "report.json"), report)
     root = os.path.dirname(cache)
     for other in os.listdir(root):
         if other != os.path.basename(cache):

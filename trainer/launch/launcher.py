@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trainer.core import errors
+from trainer.core import ending
 from trainer.core.config import VARIABLE
-from trainer.core.errors import StopAbandoned, write_termination_message
+from trainer.core.errors import StopAbandoned
 
 
 class StopForwarder:
@@ -84,13 +84,12 @@ def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
     """Several processes: the torchrun command and environment `accelerate launch --multi_gpu` would use.
 
     accelerate runs torchrun inside its own process (`multi_gpu_launcher`) and on CPU falls back to MPI; we take
-    its environment (`prepare_multi_gpu_env`) and its argument mapping (`_filter_args`) and run torchrun as our
-    child, for the same reason as above.  torchrun forwards SIGTERM to every worker once, and waits for them
+    its environment (`prepare_multi_gpu_env`), read torchrun's arguments from what it resolved on `args`, and run
+    torchrun as our child, for the same reason as above.  torchrun forwards SIGTERM to every worker once, and waits for them
     `--shutdown-timeout` seconds (the stop deadline and some) before it kills them.
     """
-    import torch.distributed.run as torchrun
     from accelerate.commands.launch import launch_command_parser
-    from accelerate.utils.launch import _filter_args, prepare_multi_gpu_env
+    from accelerate.utils.launch import prepare_multi_gpu_env
 
     s = config.settings
     argv = ["--multi_gpu", "--num_processes", str(config.world_size), "--num_machines", str(s.num_nodes), "--machine_rank", str(s.node_rank)]
@@ -101,11 +100,12 @@ def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
     _keep_thread_count(env)  # torchrun then gives each process 1 thread unless the caller chose
     if s.num_nodes == 1:  # one node: rank 0 is here, whatever FT_MASTER_ADDR says
         args.master_addr = "127.0.0.1"
-    chosen = vars(_filter_args(args, torchrun.get_args_parser(), ["--training_script", "trainer"]))
+    # accelerate 1.15's own mapping to torchrun (`_filter_args`, private) copies exactly these names from `args`; we read
+    # them directly, so nothing private is called.  Unset ones are left to torchrun's defaults, as there.
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     for name in ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "max_restarts"):
-        if chosen.get(name) not in (None, ""):
-            cmd.append(f"--{name}={chosen[name]}")
+        if getattr(args, name, None) not in (None, ""):
+            cmd.append(f"--{name}={getattr(args, name)}")
     cmd += [f"--shutdown_timeout={s.stop_deadline_seconds + 30}", "--signals_to_handle=SIGTERM,SIGINT", "--module", "trainer"]
     return cmd, env
 
@@ -118,8 +118,8 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env[VARIABLE] = config.to_json()  # the child runs with what was validated here, not with its own reading of FT_*
     outcome = tempfile.mkdtemp(prefix="fulltune-exit-")
-    env[errors.LAUNCHER_PID] = str(os.getpid())
-    env[errors.EXIT_FILE] = os.path.join(outcome, "rank")  # each local rank leaves its exit code there (torchrun reports only 1)
+    env[ending.LAUNCHER_PID] = str(os.getpid())
+    env[ending.EXIT_FILE] = os.path.join(outcome, "rank")  # each local rank leaves its exit code there (torchrun reports only 1)
     returncode = 0
     if not stops.received and not stops.ended:
         stops.group = several
@@ -133,14 +133,14 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     if stops.ended:
         return returncode  # the caller says why (trainer/launch/lease.py)
     if stops.abandoned:
-        return _report(StopAbandoned.exit_code, "second stop signal before the checkpoint was committed; a retry resumes from the last committed checkpoint")
+        return ending.announce(StopAbandoned.exit_code, "second stop signal before the checkpoint was committed; a retry resumes from the last committed checkpoint")
     if stops.received and (stops.child is None or -returncode in stops.received):
         # The stop came before the training process had installed its handler: nothing new was
         # saved, the committed checkpoints are intact, and a retry resumes from them.
         why = f"stopped by {signal.Signals(stops.received[0]).name} while starting; a retry resumes from the last committed checkpoint"
-        return _report(StopAbandoned.exit_code, why)
+        return ending.announce(StopAbandoned.exit_code, why)
     if returncode < 0:  # killed by a signal we did not send (e.g. SIGKILL from the kernel's OOM killer)
-        return _report(128 - returncode, f"training process killed by {signal.Signals(-returncode).name} (out of host memory?)")
+        return ending.announce(128 - returncode, f"training process killed by {signal.Signals(-returncode).name} (out of host memory?)")
     return returncode
 
 
@@ -157,9 +157,3 @@ def _job_exit_code(folder: str, torchrun_code: int) -> int:
     if failures:
         return failures[0]
     return torchrun_code
-
-
-def _report(code: int, why: str) -> int:
-    print(f"fulltune: exit {code}: {why}", file=sys.stderr, flush=True)
-    write_termination_message(f"exit {code}: {why}")
-    return code

@@ -50,7 +50,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainer.core.errors import StopAbandoned, VolumeInUse
-from trainer.core.volume import Volume, write_json
+from trainer.core.files import write_json
+from trainer.core.volume import Volume
 
 POLL_SECONDS = 0.25  # how often a watched lease is read again: the delay added to an exit 7
 LOCK_STUCK_SECONDS = 10.0  # lease.lock is held for one small write; one older than this was left by a process that died holding it

@@ -11,14 +11,13 @@ means the hub is reachable; what it says about the id is left to the libraries' 
 from __future__ import annotations
 
 import os
-import time
 
+from trainer.core import probe
 from trainer.core.errors import HubUnreachable
 from trainer.core.settings import Settings
 from trainer.data import sources
 
-TRIES = 3
-PAUSE_SECONDS = 1.0
+TRIES = 3  # 1 s and 2 s apart (trainer/core/probe.py)
 
 
 def hub_ids(settings: Settings) -> dict[str, str]:
@@ -39,7 +38,7 @@ def check_reachable(settings: Settings) -> None:
     ids = hub_ids(settings)
     if not ids or constants.HF_HUB_OFFLINE:
         return
-    why = _ask(constants.ENDPOINT, float(constants.HF_HUB_ETAG_TIMEOUT))
+    why = probe.answers(lambda: _ask(constants.ENDPOINT, float(constants.HF_HUB_ETAG_TIMEOUT)), TRIES)
     if why is None:
         return
     named = ", ".join(f"{variable}={spec!r}" for variable, spec in ids.items())
@@ -51,16 +50,11 @@ def check_reachable(settings: Settings) -> None:
 
 
 def _ask(endpoint: str, timeout: float) -> str | None:
-    """None when the endpoint answers (any HTTP status), else why not, after TRIES attempts."""
+    """None when the endpoint answers (any HTTP status), else why not."""
     from huggingface_hub import get_session
 
-    started = time.monotonic()
-    for attempt in range(1, TRIES + 1):
-        try:
-            get_session().head(endpoint, timeout=timeout)
-            return None
-        except Exception as error:  # noqa: BLE001 - the transport's errors (refused, DNS, timeout, TLS) all mean no answer
-            last = f"{type(error).__name__}: {error}"
-        if attempt < TRIES:
-            time.sleep(PAUSE_SECONDS * attempt)
-    return f"{last}; {TRIES} tries in {time.monotonic() - started:.1f} s"
+    try:
+        get_session().head(endpoint, timeout=timeout)
+        return None
+    except Exception as error:  # noqa: BLE001 - the transport's errors (refused, DNS, timeout, TLS) all mean no answer
+        return f"{type(error).__name__}: {error}"

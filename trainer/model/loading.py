@@ -9,14 +9,7 @@ from typing import Any
 from trainer.core.config import Precision
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
-
-# ChatML, as trl.setup_chat_format(format="chatml") used to add it (removed in TRL 1.x).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from trainer.data import chatml
 
 
 def hub_kwargs(settings: Settings) -> dict[str, Any]:
@@ -44,9 +37,9 @@ def load_tokenizer(settings: Settings) -> Any:
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model, **hub_kwargs(settings))
     if not tokenizer.chat_template:
-        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-        tokenizer.chat_template = CHATML_TEMPLATE
-        tokenizer.eos_token = "<|im_end|>"
+        tokenizer.add_special_tokens({"additional_special_tokens": [chatml.IM_START, chatml.IM_END]})
+        tokenizer.chat_template = chatml.TEMPLATE
+        tokenizer.eos_token = chatml.IM_END
         print("fulltune: the tokenizer has no chat template: added ChatML", flush=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

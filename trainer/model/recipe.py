@@ -124,7 +124,6 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         save_steps=settings.save_steps,
         save_total_limit=None,
         logging_steps=settings.logging_steps,
-        logging_nan_inf_filter=False,  # a NaN step is logged as NaN, not as the window's average: trainer/checkpointing/divergence.py watches it
         metric_for_best_model="eval_loss" if evaluate else None,
         greater_is_better=False if evaluate else None,
         load_best_model_at_end=evaluate,

@@ -8,16 +8,25 @@ gather run over gloo.  So, when the Trainer's accelerator came out `MULTI_CPU` a
 FSDP, we finish that decision the way accelerate does it for a GPU group: the same plugin (built from the same
 `fsdp_plugin_args` the Trainer used), `distributed_type = FSDP` in both shared states.  Everything after that
 (wrapping each decoder layer, saving, loading) is accelerate's and transformers' own code path.
+
+Only a CPU process group under FSDP goes through this (`trainer_class`): every GPU job, and every job without
+FSDP, is TRL's own SFTTrainer on accelerate's own path.  Checked against accelerate 1.15.0; remove this module's
+completion once `AcceleratorState` honours an FSDP plugin on `MULTI_CPU` (tests/test_scale_out.py's FSDP cases
+then pass with plain `SFTTrainer`).  The layout a checkpoint was saved in (FSDP or not) is checked here too.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 from transformers import TrainerCallback
 
 from trainer.core import ranks
+from trainer.core.errors import ConfigError
+
+FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # accelerate's FSDP_MODEL_NAME, FULL_STATE_DICT
 
 
 def honour_fsdp_on_cpu(trainer: Any) -> None:
@@ -33,13 +42,22 @@ def honour_fsdp_on_cpu(trainer: Any) -> None:
         plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
+    # accelerate keeps the process group's own view apart (PartialState's shared dict, private in 1.15.0, no setter);
+    # the utilities that ask PartialState() instead of the Accelerator (saving, gathering) must see FSDP too.
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     trainer.is_fsdp_enabled = True  # transformers derives it from the state right after building the accelerator
 
 
-@functools.cache  # one class: `type(trainer) is trainer_class()` holds, and it is built once
-def trainer_class() -> type:
-    """TRL's SFTTrainer, with its accelerator honouring FSDP on CPU processes too (trl imported only when asked)."""
+def trainer_class(cuda: bool, strategy: str) -> type:
+    """The job's trainer class: TRL's SFTTrainer, or under FSDP on CPU processes, one that completes accelerate's
+    decision (trl imported only when asked)."""
+    from trl import SFTTrainer
+
+    return _cpu_fsdp_trainer() if strategy == "fsdp" and not cuda else SFTTrainer
+
+
+@functools.cache  # one class: `type(trainer) is trainer_class(...)` holds, and it is built once
+def _cpu_fsdp_trainer() -> type:
     from trl import SFTTrainer
 
     class ShardedSFTTrainer(SFTTrainer):
@@ -48,6 +66,26 @@ def trainer_class() -> type:
             honour_fsdp_on_cpu(self)
 
     return ShardedSFTTrainer
+
+
+def check_resumable(checkpoint: str | None, strategy: str) -> None:
+    """Refuse (exit 2), before any weights load, to resume a checkpoint in a layout this job cannot read.
+
+    Under FSDP, accelerate writes the whole weights and AdamW states keyed by parameter name (`pytorch_model_fsdp.bin`,
+    `optimizer.bin`, gathered on rank 0), which any number of FSDP processes can load; one process or DDP write
+    torch's own `optimizer.pt`, keyed by position.  transformers 5.24 resumes each only the way it was written (a
+    ValueError or a missing file after the model has loaded)."""
+    if checkpoint is None:
+        return
+    by_fsdp = os.path.exists(os.path.join(checkpoint, FSDP_WEIGHTS))
+    if by_fsdp == (strategy == "fsdp"):
+        return
+    written, now = ("FSDP", strategy if strategy != "none" else "one process") if by_fsdp else ("one process or DDP", "fsdp")
+    way = "FT_DISTRIBUTED=fsdp with 2 or more processes" if by_fsdp else "FT_DISTRIBUTED=ddp (or one process)"
+    raise ConfigError(
+        f"the checkpoint to resume, {checkpoint}, was written by {written} and this job runs {now}: its weights and optimizer "
+        f"states are stored in that layout only. Resume with {way}, or use a new FT_OUTPUT_DIR."
+    )
 
 
 def held_elements(net: Any) -> tuple[int, int]:

@@ -69,7 +69,7 @@ def check_code(settings: Settings) -> None:
     raw = _config_dict(settings)
     if raw is None or settings.trust_remote_code:
         return
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING  # the model types built into transformers (a public export since 4.x)
 
     model_type, auto_map = raw.get("model_type"), raw.get("auto_map") or {}
     if model_type in CONFIG_MAPPING:

@@ -14,9 +14,6 @@ wall time per step so far, evaluations included.  Keys without a value on this d
 
 from __future__ import annotations
 
-import ast
-import logging
-import os
 import resource
 import sys
 import time
@@ -64,53 +61,6 @@ def memory_gb(cuda: bool) -> float:
         return torch.cuda.max_memory_allocated() / 1e9
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB elsewhere
-
-
-def quiet_libraries(log_level: str) -> None:
-    """Keep the job's log to what a user reads (FT_LOG_LEVEL=info): MLflow's INFO lines ("Creating initial MLflow
-    database tables...", "Started monitoring system metrics.") are left out, and transformers' bars at every weight
-    load and checkpoint write ("Loading weights", "Writing model shards") are off; hub downloads keep theirs.
-    FT_LOG_LEVEL=debug keeps both libraries as they are, at INFO."""
-    from transformers.utils import logging as transformers_logging
-
-    level = "INFO" if log_level == "debug" else "WARNING"
-    os.environ["MLFLOW_LOGGING_LEVEL"] = level  # read when MLflow is first imported (in the tracker's thread)...
-    logging.getLogger("mlflow").setLevel(level)  # ...and for an MLflow already imported
-    if log_level == "debug":
-        transformers_logging.set_verbosity_info()
-    else:
-        transformers_logging.disable_progress_bar()
-
-
-class TiedWeightsReload(logging.Filter):
-    """The Trainer reloads the best checkpoint non-strictly and reports a tied LM head as missing (it is saved
-    once, as the input embedding, and loading that loads both): drop exactly that report, keep any other."""
-
-    PREFIX = "There were missing keys in the checkpoint model loaded: "
-    tied: frozenset[str] = frozenset()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if not message.startswith(self.PREFIX):
-            return True
-        try:
-            missing = set(ast.literal_eval(message[len(self.PREFIX) :].rstrip(".")))
-        except (SyntaxError, ValueError):
-            return True
-        return not (missing and missing <= self.tied)
-
-
-_TIED_FILTER = TiedWeightsReload()
-
-
-def expect_tied_weights(net: Any) -> None:
-    """Tell the filter which keys of `net` are tied to another (e.g. Qwen3's lm_head.weight to the embedding)."""
-    params = dict(net.named_parameters(remove_duplicate=False))
-    tied = getattr(net, "all_tied_weights_keys", None) or {}
-    _TIED_FILTER.tied = frozenset(k for k, v in tied.items() if k in params and v in params and params[k] is params[v])
-    logger = logging.getLogger("transformers.trainer")
-    if _TIED_FILTER not in logger.filters:
-        logger.addFilter(_TIED_FILTER)
 
 
 class Progress(TrainerCallback):

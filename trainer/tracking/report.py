@@ -31,7 +31,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainer.core import ranks
-from trainer.core.volume import Volume, write_text
+from trainer.core.files import write_text
+from trainer.core.volume import Volume
 from trainer.tracking.page import CHARTS, chart_png, render, utc
 from trainer.tracking.run import Tracker
 

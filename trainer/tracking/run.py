@@ -36,7 +36,8 @@ from trainer.core import ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.errors import Preempted, RegistrationFailed
-from trainer.core.volume import Volume, read_json, write_json
+from trainer.core.files import read_json, write_json
+from trainer.core.volume import Volume
 from trainer.tracking import delivery, registry, runfile, store
 from trainer.tracking.outbox import Outbox
 from trainer.tracking.server import gist, redact, servers_answer

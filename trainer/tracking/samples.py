@@ -21,6 +21,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer.core.files import append_lines, write_text
 from trainer.core.volume import Volume
 from trainer.tracking.run import Tracker
 
@@ -138,9 +139,7 @@ class SampleAnswers(TrainerCallback):
                 net.set_attn_implementation(attention)
             net.train(was_training)
         seconds = time.perf_counter() - started
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        append_lines(self.path, (json.dumps(row, ensure_ascii=False) for row in rows))
         self.tracker.log_table(rows, TABLE)
         self.tracker.log_metrics({"eval_samples_seconds": seconds}, step)
         first = rows[0]["answer"] if rows else ""
@@ -152,6 +151,4 @@ class SampleAnswers(TrainerCallback):
             return
         with open(self.path, encoding="utf-8") as f:
             kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        with open(self.path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(self.path + ".tmp", self.path)
+        write_text(self.path, "".join(kept))

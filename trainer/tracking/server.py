@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 
+from trainer.core import probe
 from trainer.core.errors import TrackingUnreachable
 from trainer.tracking.outbox import PROBE_TIMEOUT_SECONDS
 
@@ -92,15 +92,10 @@ def check_reachable() -> None:
     uri = CONFIGURED_URI
     if not uri.startswith(("http://", "https://")):
         return
-    started = time.monotonic()
-    for attempt in range(1, START_TRIES + 1):
-        why = _why_not_answering(uri)
-        if why is None:
-            return
-        if attempt < START_TRIES:
-            time.sleep(attempt)
+    why = probe.answers(lambda: _why_not_answering(uri), START_TRIES)
+    if why is None:
+        return
     raise TrackingUnreachable(
-        f"MLFLOW_TRACKING_URI={redact(uri)}: the MLflow tracking server does not answer ({why}; {START_TRIES} tries in "
-        f"{time.monotonic() - started:.1f} s). Nothing was downloaded or written. Start the server or fix the URI (or unset "
-        "MLFLOW_TRACKING_URI to track in the store on the volume); a retry helps once it answers."
+        f"MLFLOW_TRACKING_URI={redact(uri)}: the MLflow tracking server does not answer ({why}). Nothing was downloaded or written. "
+        "Start the server or fix the URI (or unset MLFLOW_TRACKING_URI to track in the store on the volume); a retry helps once it answers."
     )

@@ -1,0 +1,69 @@
+"""Who can write the volume, and who can read what the job wrote.
+
+The volume usually outlives the job and is read by someone else: a serving pod, a notebook or a copy
+job that runs under another uid on the same PersistentVolumeClaim.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from trainer.core.errors import ConfigError
+
+
+def check_writable(output_dir: str) -> None:
+    """Fail in a second (exit 2) when the job's user cannot write FT_OUTPUT_DIR, naming the fix.
+
+    The usual cause is a volume owned by root or by the host user while the image runs as uid 10001;
+    without this check the job would load the model and data first and fail at its first write.
+    """
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".fulltune-write-check-", dir=output_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as error:
+        uid, gid = os.getuid(), os.getgid()
+        raise ConfigError(
+            f"FT_OUTPUT_DIR={output_dir} is not writable by this process (uid {uid}, gid {gid}): {error.strerror}. "
+            f"Give uid {uid} write access to the volume: on Kubernetes set the pod's securityContext.fsGroup (e.g. fsGroup: {gid}); "
+            f"with docker run, mount a folder owned by uid {uid} (`chown {uid}:{gid} FOLDER` on the host) "
+            "or run as the folder's owner (`docker run --user \"$(id -u):$(id -g)\"`)."
+        ) from error
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for a moment, in every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def follow_umask(folder: str) -> None:
+    """Give every file and folder under `folder` the mode a plain open()/mkdir() would have given it.
+
+    safetensors writes the weights through a private temporary file (mode 0600) and renames it, so
+    without this the weights, and only they, are unreadable by any other uid.  Where the volume does
+    not support chmod (some object-store mounts) the modes stay as they are.
+    """
+    mask = umask()
+    for root, dirs, files in os.walk(folder):
+        for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                try:
+                    os.chmod(path, mode & ~mask)
+                except OSError:
+                    pass
+    try:
+        os.chmod(folder, 0o777 & ~mask)
+    except OSError:
+        pass
