@@ -213,7 +213,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     layered = {**platform_env, **cluster_env, **environ}
     preset = layered.get("FT_PRESET", "none")
     output_dir = layered.get("FT_OUTPUT_DIR", "/output")
-    layered = {**platform_env, **cluster_env, **preset_defaults(preset, output_dir), **environ}
+    layered = {**preset_defaults(preset, output_dir), **platform_env, **cluster_env, **environ}  # the platform mounted the user's data: it wins over the preset
 
     env = _layered_env(layered)
     values = {}
@@ -247,7 +247,7 @@ def _layered_env(values: Mapping[str, str]) -> Any:
     from environs import Env
 
     class LayeredEnv(Env):
-        """environs reads `os.environ`; this reads the layered values (platform < preset < explicit) instead,
+        """environs reads `os.environ`; this reads the layered values (preset < platform < explicit) instead,
         so parsing neither changes nor depends on the process environment (environs 15's `_get_value`)."""
 
         def _get_value(self, env_key: str, default: Any) -> Any:
