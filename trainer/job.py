@@ -15,7 +15,7 @@ from trainer.checkpointing import diskfull, divergence, preemption
 from trainer.core import config as job_config
 from trainer.core import ranks
 from trainer.core.config import Config
-from trainer.core.errors import Preempted, exit_code_for, record_exit
+from trainer.core.errors import ConfigError, Preempted, exit_code_for, record_exit
 from trainer.core.volume import Volume, follow_umask, staged
 from trainer.data import demo
 from trainer.data import prepare as data
@@ -33,6 +33,8 @@ def run(config: Config) -> None:
     ranks.start(config)  # several processes: join them, and check they all run this configuration
     volume = Volume(settings.output_dir)
     status = volume.status()
+    if status.final_model or status.registered:
+        _check_same_job(config, volume)  # a finished volume re-run with other settings trains nothing: say so (exit 2), never exit 0
     if done := status.done(registering=bool(settings.registered_model)):
         print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
@@ -65,6 +67,17 @@ def run(config: Config) -> None:
                 _register(config, volume, metadata)
             finally:
                 run_report.finished()  # also after a failed registration (exit 3): it says where the model is
+
+
+def _check_same_job(config: Config, volume: Volume) -> None:
+    """Exit 2 when the finished model on the volume was trained with other settings than these, naming each one and the way on."""
+    if differences := checkpoints.fingerprint_differences(config):
+        raise ConfigError(
+            f"FT_OUTPUT_DIR={volume.root} holds a job that already finished with other settings ({'; '.join(differences)}); nothing was trained."
+            f" To train with these settings use a new FT_OUTPUT_DIR; to continue training from the finished model set FT_MODEL={volume.final_model}"
+            " and a new FT_OUTPUT_DIR (FT_ALLOW_CONFIG_CHANGE resumes an unfinished job's checkpoints, never a finished one);"
+            " to keep the finished model, restore the settings (that re-run is a no-op, exit 0)"
+        )
 
 
 def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, net: Any = None, callbacks: tuple = ()) -> Any:

@@ -262,9 +262,8 @@ def check_fingerprint(config: Config) -> None:
     settings = config.settings
     current = config.fingerprint()
     path = Volume(settings.output_dir).fingerprint_file
-    recorded = read_json(path)
-    if recorded is not None:
-        differences = [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now" for k in {**recorded, **current} if recorded.get(k) != current.get(k)]
+    if read_json(path) is not None:
+        differences = fingerprint_differences(config)
         if differences and not settings.allow_config_change:
             raise ConfigError(
                 f"the checkpoints in {settings.output_dir} belong to a different configuration ("
@@ -275,3 +274,9 @@ def check_fingerprint(config: Config) -> None:
             print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
     if ranks.is_main():
         write_json(path, current)
+
+
+def fingerprint_differences(config: Config) -> list[str]:
+    """Each setting that changes the result and differs from what the volume's checkpoints (or final model) were made with."""
+    current, recorded = config.fingerprint(), read_json(Volume(config.settings.output_dir).fingerprint_file) or {}
+    return [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now" for k in {**recorded, **current} if recorded and recorded.get(k) != current.get(k)]
