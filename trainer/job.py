@@ -13,7 +13,7 @@ from typing import Any
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import diskfull, divergence, preemption
 from trainer.core import config as job_config
-from trainer.core import ranks
+from trainer.core import locations, ranks
 from trainer.core.config import Config
 from trainer.core.errors import ConfigError, Preempted, exit_code_for, record_exit
 from trainer.core.volume import Volume, follow_umask, staged
@@ -48,6 +48,7 @@ def run(config: Config) -> None:
 
     if settings.preset == "demo":
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
+    locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
     checkpoints.check_sharding(checkpoints.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
