@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.core import errors
+from trainer.core import errors, locations
 from trainer.core import settings as settings_table
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
@@ -109,7 +109,7 @@ class Config:
 
     @property
     def run_name(self) -> str:
-        return self.settings.run_name or f"{self.settings.model.rstrip('/')}_full-fine-tuning"
+        return self.settings.run_name or f"{locations.model_name(self.settings.model)}_full-fine-tuning"
 
     def fingerprint(self) -> dict[str, str]:
         """What the checkpoints on a volume belong to: every setting that changes the result, with the

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")  # huggingface_hub's validate_repo_id, less its rarer refusals
 PATH_PREFIXES = ("/", "./", "../", "~")
+GENERIC_FOLDER = re.compile(r"model|final|snapshots|checkpoint-\d+|[0-9a-f]{40}")  # says nothing of which model it is
+SEED_MODEL, SEED_REGISTERED = "Qwen/Qwen3-4B", "main.default.qwen3_4b_assistant"
 
 
 def is_url(spec: str) -> bool:
@@ -71,6 +73,24 @@ def check(settings: Settings) -> None:
 def not_local(spec: str) -> str:
     """The note a hub message adds: the value was taken as a hub id because nothing local has that name."""
     return f"no local file or folder {spec!r} exists in {os.getcwd()} either, so it was taken as a hub id"
+
+
+def model_name(spec: str) -> str:
+    """What a model is called, for the run and registered names: a hub id's name (`Qwen3-0.6B`), or the last folder
+    of a local path that is not a generic one (`/models/llama-3/final/model` -> `llama-3`; a hub cache's `models--org--name` -> `name`)."""
+    parts = [p for p in spec.replace("\\", "/").split("/") if p not in ("", ".", "..", "~")]
+    while len(parts) > 1 and GENERIC_FOLDER.fullmatch(parts[-1]):
+        parts.pop()
+    name = parts[-1] if parts else "model"
+    return name.split("--")[-1] if name.startswith("models--") else name
+
+
+def registered_name(spec: str) -> str:
+    """The default FT_REGISTERED_MODEL: the seed's name for the seed's model, else `main.default.<model name>_sft`."""
+    if spec == SEED_MODEL:
+        return SEED_REGISTERED
+    slug = re.sub(r"[^a-z0-9]+", "_", model_name(spec).lower()).strip("_") or "model"
+    return f"main.default.{slug}_sft"
 
 
 def _nearest(path: str) -> str:

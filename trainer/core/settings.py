@@ -103,8 +103,8 @@ class Settings:
     preflight: Literal["fail", "warn", "off"] = setting("fail", "Before loading weights: estimate peak GPU memory from the model config and check the volume has room for the checkpoints. `fail`: exit 2 with the breakdown and the settings that would fit; `warn`: print it and go on.")
     gpu_memory_gb: float = setting(0.0, "GPU memory the plan must fit, in GB; 0 = what the device reports. Set it to plan for a smaller card than the one at hand.", minimum=0.0)
     # -- Tracking and registry -----------------------------------------------------------------------
-    registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog); empty = do not register.", group="Tracking and registry")
-    run_name: str = setting("", "MLflow run name; empty = `<model>_full-fine-tuning`.")
+    registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog), also the name the served model answers with; empty = do not register. Unset with another `FT_MODEL`: `main.default.<model name>_sft` (docs/first-hour.md).", group="Tracking and registry")
+    run_name: str = setting("", "MLflow run name; empty = `<model name>_full-fine-tuning`, the model's name without its path (docs/first-hour.md).")
     system_metrics: bool = setting(True, "Log CPU/GPU/memory system metrics to the MLflow run.")
     registration_retry_seconds: int = setting(600, "How long the end of the job waits for an MLflow server that does not answer: the metrics held back during an outage, the registration (retried after 5 s, doubling to 60 s) and the run's final status. Past it the job exits 3 with the model kept and what was not sent saved on the volume; running the job again sends it and registers, without training. 0 = one try.", minimum=0)
     # -- Operations ----------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     from environs import EnvValidationError
     from marshmallow.validate import OneOf, Range
 
-    from trainer.core import cluster, platforms
+    from trainer.core import cluster, locations, platforms
 
     environ = dict(os.environ if environ is None else environ)
     unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in BY_ENV_NAME)
@@ -226,6 +226,8 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
             parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]  # env.float refuses nan and inf
             values[s.name] = parse(key, s.default, validate=validate)
+    if "FT_REGISTERED_MODEL" not in layered:  # the seed's name for the seed's model only: a 0.4M-parameter model is no qwen3_4b_assistant
+        values["registered_model"] = locations.registered_name(values["model"])
     problems: dict[str, str] = {}
     try:
         env.seal()
