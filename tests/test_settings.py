@@ -141,3 +141,15 @@ def test_an_explicit_or_empty_registered_name_is_kept_and_still_validated():
     assert settings.load({"FT_PRESET": "demo"}).registered_model == "demo.default.tiny_qwen3_assistant"
     with pytest.raises(ConfigError, match="FT_REGISTERED_MODEL='a b': must be `model` or `catalog.schema.model`"):
         settings.load({"FT_MODEL": "Qwen/Qwen3-0.6B", "FT_REGISTERED_MODEL": "a b"})
+
+
+def test_a_typo_is_answered_with_the_setting_it_most_likely_meant():
+    with pytest.raises(ConfigError, match=r"FT_LEARNIN_RATE='1e-4': is not a fulltune setting; did you mean FT_LEARNING_RATE\?"):
+        settings.load({"FT_LEARNIN_RATE": "1e-4"})
+    with pytest.raises(ConfigError, match=r"FT_BOGUS='1': is not a fulltune setting \(see the README's table of variables\)"):
+        settings.load({"FT_BOGUS": "1"})
+
+
+def test_a_lowercase_setting_exits_2_naming_the_right_spelling_instead_of_being_ignored():
+    with pytest.raises(ConfigError, match=r"ft_max_steps='3': is not a fulltune setting: variable names are case-sensitive; did you mean FT_MAX_STEPS\?"):
+        settings.load({"ft_max_steps": "3"})

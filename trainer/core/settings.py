@@ -207,7 +207,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     from trainer.core import cluster, locations, platforms
 
     environ = dict(os.environ if environ is None else environ)
-    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in BY_ENV_NAME)
+    unknown = sorted(k for k in environ if k.upper().startswith(PREFIX) and k not in BY_ENV_NAME)  # `ft_max_steps` too: never ignored silently
     platform, platform_env = platforms.detect(environ)  # honours FT_PLATFORM itself
     _, cluster_env = cluster.detect(environ)
     layered = {**platform_env, **cluster_env, **environ}
@@ -235,7 +235,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         for name, messages in error.error_messages.items():
             problems[name] = "; ".join(str(m).rstrip(".") for m in messages) + f" (allowed: {BY_ENV_NAME[name].allowed})"
     for name in unknown:
-        problems[name] = "is not a fulltune setting (see the README's table of variables)"
+        problems[name] = _not_a_setting(name)
     if not problems:
         problems.update(_cross_checks(values))
         values = {k: v + 0.0 if isinstance(v, float) else v for k, v in values.items()}  # -0 is 0: the same fingerprint, the same params
@@ -281,6 +281,16 @@ def _cross_checks(values: dict[str, Any]) -> dict[str, str]:
     if name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
         problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"
     return problems
+
+
+def _not_a_setting(name: str) -> str:
+    """The refusal of an unknown FT_* name, with the setting it most likely meant (difflib, as argparse suggests choices)."""
+    import difflib
+
+    if name.upper() in BY_ENV_NAME:
+        return f"is not a fulltune setting: variable names are case-sensitive; did you mean {name.upper()}?"
+    close = difflib.get_close_matches(name.upper(), BY_ENV_NAME, n=1, cutoff=0.8)
+    return "is not a fulltune setting" + (f"; did you mean {close[0]}?" if close else " (see the README's table of variables)")
 
 
 def _shown(name: str, value: str | None) -> str:

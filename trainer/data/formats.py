@@ -62,7 +62,8 @@ def detect(columns: list[str], setting: str, source: str) -> str:
 def convert(row: Any, fmt: str, control_tokens: tuple[str, ...] = ()) -> dict:
     """Check one row and return its internal form; raise Problem when it cannot be trained on."""
     if isinstance(row, BadJson):
-        raise Problem("not valid JSON", f"not valid JSON ({row.message} at column {row.column})")
+        length = f"; the line has {row.length} characters" if row.length is not None else ""
+        raise Problem("not valid JSON", f"not valid JSON ({row.message}: column {row.column}{length})")
     if row is None:
         raise Problem("null row", "the row is null")
     if not isinstance(row, dict):

@@ -108,7 +108,7 @@ def _files(spec: str, fs: Any, path: str, variable: str) -> Source:
         raise DataError(
             f"{variable}={spec!r}: expected .jsonl, .json, .parquet or .csv files of one kind; found {len(found)} file(s)"
             + (f" including {', '.join(others)}" if others else "")
-            + (f" of kinds {sorted(k for k in kinds if k)}" if len(kinds) > 1 else "")
+            + (f" of kinds {', '.join(sorted({os.path.splitext(p)[1].lower() for p in found if READERS.get(os.path.splitext(p)[1].lower())}))}" if len(kinds) > 1 else "")
         )
     kind = kinds.pop()
     infos = [fs.info(p) for p in found]
@@ -153,10 +153,11 @@ def _json_lines(f: Any, name: str) -> Iterator[tuple[str, Any]]:
     for number, line in enumerate(f, start=1):
         if not line.strip():
             continue
+        line = line.rstrip("\r\n")  # else a line cut short reads as "Invalid control character" at the newline, not where it broke
         try:
             yield f"{name} line {number}", json.loads(line)
         except json.JSONDecodeError as error:
-            yield f"{name} line {number}", BadJson(error.msg, error.colno)
+            yield f"{name} line {number}", BadJson(error.msg, error.colno, len(line))
 
 
 @dataclasses.dataclass
@@ -164,7 +165,8 @@ class BadJson:
     """A line that is not valid JSON, kept as a row so that validation reports it like any other."""
 
     message: str
-    column: int
+    column: int  # Python's, counted from 1
+    length: int | None = None  # the line's characters: an error at its end means the line was cut short
 
 
 def _parquet_rows(fs: Any, path: str, name: str) -> Iterator[tuple[str, Any]]:
