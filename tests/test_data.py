@@ -181,7 +181,7 @@ def test_hub_id_passes_configuration_split_and_revision(tmp_path, monkeypatch):
 
 @pytest.mark.faults("a dataset path that does not exist")
 def test_missing_local_file_exits_2(tmp_path):
-    with pytest.raises(DataError, match="no such file"):
+    with pytest.raises(DataError, match="no such local file or folder"):
         prepare(tmp_path, tmp_path / "nope.jsonl")
 
 

@@ -73,7 +73,7 @@ def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configur
     out, result = demo_job
     run = only_run()
     assert run.info.status == "FINISHED"
-    assert run.info.run_name == f"{out}/demo/model_full-fine-tuning"
+    assert run.info.run_name == "demo_full-fine-tuning"  # the model's name, not its path
     assert {"loss", "eval_loss"} <= set(run.data.metrics)
     assert run.data.params["FT_LEARNING_RATE"] == "0.001" and run.data.params["FT_PRESET"] == "demo"
     assert any(key.startswith("system/") for key in run.data.metrics), "system metrics are logged"

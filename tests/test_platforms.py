@@ -134,3 +134,14 @@ def test_ft_platform_names_a_platform_and_the_first_match_wins_in_auto():
 def test_every_platform_in_the_settings_table_can_be_forced():
     choices = settings.BY_ENV_NAME["FT_PLATFORM"].kind
     assert set(choices) - {"auto", "none"} == set(platforms.PLATFORMS)
+
+
+def test_the_platform_channel_wins_over_the_demo_preset(sagemaker_root):
+    """SageMaker mounted the user's data: FT_PRESET=demo still trains on it (the preset only fills in what no one else set)."""
+    job = {"TRAINING_JOB_ARN": "arn:aws:sagemaker:us-east-1:1:training-job/x", "FT_PRESET": "demo"}
+    loaded = settings.load(job | {"SM_CHANNEL_TRAIN": "/opt/ml/input/data/train"})
+    assert loaded.dataset == "/opt/ml/input/data/train"
+    assert loaded.output_dir == str(sagemaker_root / "checkpoints")
+    assert loaded.model == str(sagemaker_root / "checkpoints" / "demo" / "model")  # no model channel: the preset's
+    assert loaded.stop_deadline_seconds == 100  # the platform's, the preset sets none
+    assert settings.load(job | {"SM_CHANNEL_TRAIN": "/x", "FT_DATASET": "/mine.jsonl"}).dataset == "/mine.jsonl"

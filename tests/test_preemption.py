@@ -146,6 +146,22 @@ def test_restart_after_success_exits_0_without_training_or_a_new_run(uninterrupt
     assert [r.info.run_id for r in mlflow_runs(uninterrupted)] == before
 
 
+def test_rerun_of_a_finished_job_with_other_settings_exits_2_naming_each_difference_and_the_way_on(uninterrupted, tmp_path):
+    before = [r.info.run_id for r in mlflow_runs(uninterrupted)]
+    result = run_job(job_env(uninterrupted, **STEPS | {"FT_MAX_STEPS": "20", "FT_LEARNING_RATE": "3e-3"}))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "already finished with other settings" in result.stderr and "nothing was trained" in result.stderr
+    assert "FT_MAX_STEPS: '40' on the volume, '20' now" in result.stderr and "FT_LEARNING_RATE: '0.001' on the volume, '0.003' now" in result.stderr
+    assert f"FT_MODEL={uninterrupted / 'final' / 'model'}" in result.stderr and "new FT_OUTPUT_DIR" in result.stderr
+    assert "Traceback" not in result.stderr and "nothing to do" not in result.stdout
+    assert [r.info.run_id for r in mlflow_runs(uninterrupted)] == before
+
+    # The way on it names: the finished model is the base model of a new job on a new volume.
+    more = run_job(job_env(tmp_path / "more", FT_PRESET="demo", FT_MODEL=str(uninterrupted / "final" / "model"), FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2"))
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert "starting from step 0" in more.stdout
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize("second_signal", [False, True], ids=["deadline", "second-signal"])
 def test_a_stop_that_cannot_finish_in_time_exits_76(tmp_path, second_signal):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import ROOT, job_env, run_job, termination_message
-from trainer.core import errors, settings, settings_doc
+from trainer.core import config, errors, settings, settings_doc
 from trainer.core.errors import ConfigError
 
 # The public names. Removing or renaming one breaks users' manifests: change this set on purpose only.
@@ -118,3 +118,39 @@ def test_the_first_line_names_the_detected_platform_and_what_it_filled_in(tmp_pa
     result = run_job(env, timeout=60)
     assert result.returncode == 2
     assert result.stdout.splitlines()[0] == "fulltune: platform vertex detected by AIP_MODEL_DIR: FT_OUTPUT_DIR=/gcs/bucket/model from AIP_MODEL_DIR"
+
+
+@pytest.mark.parametrize(
+    ("model", "registered", "run"),
+    [
+        ("Qwen/Qwen3-4B", "main.default.qwen3_4b_assistant", "Qwen3-4B_full-fine-tuning"),  # the seed's model keeps the seed's name
+        ("Qwen/Qwen3-0.6B", "main.default.qwen3_0_6b_sft", "Qwen3-0.6B_full-fine-tuning"),
+        ("/models/Llama-3.2-1B/", "main.default.llama_3_2_1b_sft", "Llama-3.2-1B_full-fine-tuning"),
+        ("/out/run1/final/model", "main.default.run1_sft", "run1_full-fine-tuning"),  # a finished job's model: named after its volume
+        ("/hf/hub/models--org--Tiny-Chat/snapshots/" + "a" * 40, "main.default.tiny_chat_sft", "Tiny-Chat_full-fine-tuning"),
+    ],
+)
+def test_the_default_registered_and_run_names_come_from_the_model(model, registered, run):
+    loaded = settings.load({"FT_MODEL": model})
+    assert loaded.registered_model == registered
+    assert config.build(loaded, cuda=False, bf16_supported=False).run_name == run
+
+
+def test_an_explicit_or_empty_registered_name_is_kept_and_still_validated():
+    assert settings.load({"FT_MODEL": "Qwen/Qwen3-0.6B", "FT_REGISTERED_MODEL": "main.ml.mine"}).registered_model == "main.ml.mine"
+    assert settings.load({"FT_MODEL": "Qwen/Qwen3-0.6B", "FT_REGISTERED_MODEL": ""}).registered_model == ""  # empty: do not register
+    assert settings.load({"FT_PRESET": "demo"}).registered_model == "demo.default.tiny_qwen3_assistant"
+    with pytest.raises(ConfigError, match="FT_REGISTERED_MODEL='a b': must be `model` or `catalog.schema.model`"):
+        settings.load({"FT_MODEL": "Qwen/Qwen3-0.6B", "FT_REGISTERED_MODEL": "a b"})
+
+
+def test_a_typo_is_answered_with_the_setting_it_most_likely_meant():
+    with pytest.raises(ConfigError, match=r"FT_LEARNIN_RATE='1e-4': is not a fulltune setting; did you mean FT_LEARNING_RATE\?"):
+        settings.load({"FT_LEARNIN_RATE": "1e-4"})
+    with pytest.raises(ConfigError, match=r"FT_BOGUS='1': is not a fulltune setting \(see the README's table of variables\)"):
+        settings.load({"FT_BOGUS": "1"})
+
+
+def test_a_lowercase_setting_exits_2_naming_the_right_spelling_instead_of_being_ignored():
+    with pytest.raises(ConfigError, match=r"ft_max_steps='3': is not a fulltune setting: variable names are case-sensitive; did you mean FT_MAX_STEPS\?"):
+        settings.load({"ft_max_steps": "3"})

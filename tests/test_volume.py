@@ -10,13 +10,14 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import job_env, run_job
+from conftest import ROOT, job_env, run_job
 from trainer.core import permissions
 
 NOBODY = 65534
@@ -113,3 +114,19 @@ def test_the_final_model_and_checkpoints_are_readable_by_another_uid(shared_tmp)
     model = AutoModelForCausalLM.from_pretrained(copies / "model")
     assert model.num_parameters() > 0 and AutoTokenizer.from_pretrained(copies / "model").chat_template
 
+
+def test_a_read_only_mount_is_told_to_mount_it_read_write_not_to_chown_it(tmp_path):
+    """A real read-only tmpfs, mounted in a private mount namespace (root, as the image's tests run)."""
+    mounted = tmp_path / "volume"
+    mounted.mkdir()
+    env = job_env(mounted / "out")
+    script = f"mount -t tmpfs -o ro none {mounted} && exec {sys.executable} {ROOT / 'entrypoint.py'}"
+    try:
+        result = subprocess.run(["unshare", "-m", "sh", "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if result.stderr.startswith(("mount:", "unshare:")):
+        pytest.skip(f"cannot mount here: {result.stderr.strip()}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"exit 2: FT_OUTPUT_DIR={mounted / 'out'} is on a read-only mount" in result.stderr and "drop `:ro`" in result.stderr
+    assert "chown" not in result.stderr and "fsGroup" not in result.stderr and "Traceback" not in result.stderr

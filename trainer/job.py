@@ -14,7 +14,7 @@ from typing import Any
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import diskfull, divergence, preemption
 from trainer.core import config as job_config
-from trainer.core import ranks
+from trainer.core import locations, ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
@@ -41,6 +41,8 @@ def run(config: Config, tracker: Tracker) -> None:
     ranks.start(config)  # several processes: join them, and check they all run this configuration
     volume = Volume(settings.output_dir)
     status = volume.status()
+    if status.final_model or status.registered:
+        job_config.check_finished_job(config)  # a finished volume re-run with other settings trains nothing: say so (exit 2), never exit 0
     if done := status.done(registering=bool(settings.registered_model)):
         print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
@@ -54,6 +56,7 @@ def run(config: Config, tracker: Tracker) -> None:
 
     if settings.preset == "demo":
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
+    locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
     sharding.check_resumable(checkpoints.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.core import ending, ranks
+from trainer.core import ending, locations, ranks
 from trainer.core import settings as settings_table
 from trainer.core.errors import ConfigError
 from trainer.core.files import read_json, write_json
@@ -111,7 +111,7 @@ class Config:
 
     @property
     def run_name(self) -> str:
-        return self.settings.run_name or f"{self.settings.model.rstrip('/')}_full-fine-tuning"
+        return self.settings.run_name or f"{locations.model_name(self.settings.model)}_full-fine-tuning"
 
     def fingerprint(self) -> dict[str, str]:
         """What the checkpoints on a volume belong to: every setting that changes the result, with the
@@ -176,11 +176,9 @@ def check_fingerprint(config: Config) -> None:
     The fingerprint holds every setting whose `changes` flag is set (trainer/core/settings.py), so a setting
     that changes the result cannot be forgotten here."""
     settings = config.settings
-    current = config.fingerprint()
     path = Volume(settings.output_dir).fingerprint_file
-    recorded = read_json(path)
-    if recorded is not None:
-        differences = [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now" for k in {**recorded, **current} if recorded.get(k) != current.get(k)]
+    if read_json(path) is not None:
+        differences = fingerprint_differences(config)
         if differences and not settings.allow_config_change:
             raise ConfigError(
                 f"the checkpoints in {settings.output_dir} belong to a different configuration ("
@@ -190,4 +188,22 @@ def check_fingerprint(config: Config) -> None:
         if differences:
             print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
     if ranks.is_main():
-        write_json(path, current)
+        write_json(path, config.fingerprint())
+
+
+def fingerprint_differences(config: Config) -> list[str]:
+    """Each setting that changes the result and differs from what the volume's checkpoints (or final model) were made with."""
+    current, recorded = config.fingerprint(), read_json(Volume(config.settings.output_dir).fingerprint_file) or {}
+    return [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now" for k in {**recorded, **current} if recorded and recorded.get(k) != current.get(k)]
+
+
+def check_finished_job(config: Config) -> None:
+    """Exit 2 when the finished model on the volume was trained with other settings than these, naming each one and the way on."""
+    volume = Volume(config.settings.output_dir)
+    if differences := fingerprint_differences(config):
+        raise ConfigError(
+            f"FT_OUTPUT_DIR={volume.root} holds a job that already finished with other settings ({'; '.join(differences)}); nothing was trained."
+            f" To train with these settings use a new FT_OUTPUT_DIR; to continue training from the finished model set FT_MODEL={volume.final_model}"
+            " and a new FT_OUTPUT_DIR (FT_ALLOW_CONFIG_CHANGE resumes an unfinished job's checkpoints, never a finished one);"
+            " to keep the finished model, restore the settings (that re-run is a no-op, exit 0)"
+        )

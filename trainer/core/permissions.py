@@ -6,6 +6,7 @@ job that runs under another uid on the same PersistentVolumeClaim.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 
@@ -25,6 +26,12 @@ def check_writable(output_dir: str) -> None:
         os.remove(probe)
     except OSError as error:
         uid, gid = os.getuid(), os.getgid()
+        if error.errno == errno.EROFS:  # no owner or fsGroup can write a read-only mount
+            raise ConfigError(
+                f"FT_OUTPUT_DIR={output_dir} is on a read-only mount: the job writes its checkpoints and model there. Mount the volume read-write "
+                "(Kubernetes: drop `readOnly: true` from the volumeMount and the claim's ReadOnlyMany access mode; docker run: drop `:ro` from -v), "
+                "or point FT_OUTPUT_DIR at a writable volume"
+            ) from error
         raise ConfigError(
             f"FT_OUTPUT_DIR={output_dir} is not writable by this process (uid {uid}, gid {gid}): {error.strerror}. "
             f"Give uid {uid} write access to the volume: on Kubernetes set the pod's securityContext.fsGroup (e.g. fsGroup: {gid}); "

@@ -62,7 +62,7 @@ class Settings:
     dataset_revision: str = setting("", "Hub dataset revision to pin; empty = the default branch.", changes="data")
     eval_dataset: str = setting("", "Validation data, in the same forms as `FT_DATASET` (from a dataset with several splits, `validation`, else `test`). Empty: `FT_DATASET`'s own `test` split when it has one, else `FT_EVAL_FRACTION` of the training rows.", changes="data")
     eval_fraction: float = setting(0.1, "Share of the checked training rows held out for validation (seed `FT_SEED`) when there is no `FT_EVAL_DATASET` and no `test` split; 0 = no validation, and the final model is the last step's rather than the best by eval loss.", minimum=0.0, changes="data")
-    data_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "text"] = setting("auto", "Row format: `messages` (role/content), `sharegpt` (`conversations` of from/value), `prompt_completion`, or `text`; `auto` detects it from the columns ([row formats](data.md#row-formats-ft_data_format)).", changes="data")
+    data_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text"] = setting("auto", "Row format: `messages` (role/content), `sharegpt` (`conversations` of from/value), `prompt_completion`, `alpaca` (`instruction`, optional `input`, `output`), or `text`; `auto` detects it from the columns ([row formats](data.md#row-formats-ft_data_format)).", changes="data")
     bad_rows: Literal["fail", "skip"] = setting("fail", "Rows that cannot be trained on (unknown role, empty reply, bad JSON, ...): `fail` exits 2 listing them with their reasons, `skip` leaves them out and counts them. Either way they are listed in `FT_OUTPUT_DIR/data-report.txt` ([bad rows](data.md#what-makes-a-row-bad-ft_bad_rows)).", changes="data")
     loss_on: Literal["all", "assistant"] = setting("all", "Tokens that carry loss: `all` (the reference recipe), or `assistant`, only the assistant's replies and their end-of-turn token (Qwen3's stock template works; other templates need `{% generation %}` markers; [what is trained](data.md#what-is-trained-ft_loss_on)).", changes="data")
     max_length: int = setting(4096, "Longest training sequence in tokens; longer rows follow `FT_TRUNCATION` ([lengths](data.md#how-long-ft_max_length-ft_truncation)).", minimum=16, changes="data")
@@ -104,8 +104,8 @@ class Settings:
     preflight: Literal["fail", "warn", "off"] = setting("fail", "Before loading weights: estimate peak GPU memory from the model config and check the volume has room for the checkpoints. `fail`: exit 2 with the breakdown and the settings that would fit; `warn`: print it and go on ([the preflight](performance.md#memory-and-disk-preflight)).")
     gpu_memory_gb: float = setting(0.0, "GPU memory the plan must fit, in GB; 0 = what the device reports. Set it to plan for a smaller card than the one at hand.", minimum=0.0)
     # -- Tracking and registry -----------------------------------------------------------------------
-    registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog); empty = do not register.", group="Tracking and registry")
-    run_name: str = setting("", "MLflow run name; empty = `<model>_full-fine-tuning`.")
+    registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog), also the name the served model answers with; empty = do not register. Unset with another `FT_MODEL`: `main.default.<model name>_sft` (docs/first-hour.md).", group="Tracking and registry")
+    run_name: str = setting("", "MLflow run name; empty = `<model name>_full-fine-tuning`, the model's name without its path (docs/first-hour.md).")
     system_metrics: bool = setting(True, "Log CPU/GPU/memory system metrics to the MLflow run.")
     registration_retry_seconds: int = setting(600, "How long the end of the job waits for an MLflow server that does not answer, to send held-back metrics, register and close the run; past it the job exits 3 with the model kept on the volume, and running it again registers without training. 0 = one try ([outages](tracking-and-serving.md#mlflow)).", minimum=0)
     # -- Operations ----------------------------------------------------------------------------------
@@ -206,16 +206,16 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     from environs import EnvValidationError
     from marshmallow.validate import OneOf, Range
 
-    from trainer.core import cluster, platforms
+    from trainer.core import cluster, locations, platforms
 
     environ = dict(os.environ if environ is None else environ)
-    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in BY_ENV_NAME)
+    unknown = sorted(k for k in environ if k.upper().startswith(PREFIX) and k not in BY_ENV_NAME)  # `ft_max_steps` too: never ignored silently
     platform, platform_env = platforms.detect(environ)  # honours FT_PLATFORM itself
     _, cluster_env = cluster.detect(environ)
     layered = {**platform_env, **cluster_env, **environ}
     preset = layered.get("FT_PRESET", "none")
     output_dir = layered.get("FT_OUTPUT_DIR", "/output")
-    layered = {**platform_env, **cluster_env, **preset_defaults(preset, output_dir), **environ}
+    layered = {**preset_defaults(preset, output_dir), **platform_env, **cluster_env, **environ}  # the platform mounted the user's data: it wins over the preset
 
     env = _layered_env(layered)
     values = {}
@@ -228,6 +228,8 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
             parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]  # env.float refuses nan and inf
             values[s.name] = parse(key, s.default, validate=validate)
+    if "FT_REGISTERED_MODEL" not in layered:  # the seed's name for the seed's model only: a 0.4M-parameter model is no qwen3_4b_assistant
+        values["registered_model"] = locations.registered_name(values["model"])
     problems: dict[str, str] = {}
     try:
         env.seal()
@@ -235,7 +237,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         for name, messages in error.error_messages.items():
             problems[name] = "; ".join(str(m).rstrip(".") for m in messages) + f" (allowed: {BY_ENV_NAME[name].allowed})"
     for name in unknown:
-        problems[name] = "is not a fulltune setting (see the README's table of variables)"
+        problems[name] = _not_a_setting(name)
     if not problems:
         problems.update(_cross_checks(values))
         values = {k: v + 0.0 if isinstance(v, float) else v for k, v in values.items()}  # -0 is 0: the same fingerprint, the same params
@@ -249,7 +251,7 @@ def _layered_env(values: Mapping[str, str]) -> Any:
     from environs import Env
 
     class LayeredEnv(Env):
-        """environs reads `os.environ`; this reads the layered values (platform < preset < explicit) instead,
+        """environs reads `os.environ`; this reads the layered values (preset < platform < explicit) instead,
         so parsing neither changes nor depends on the process environment.
 
         `_get_value` is private (environs 15.2.0: `os.environ[key]`, then `self._environ`), and environs has no
@@ -286,6 +288,16 @@ def _cross_checks(values: dict[str, Any]) -> dict[str, str]:
     if name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
         problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"
     return problems
+
+
+def _not_a_setting(name: str) -> str:
+    """The refusal of an unknown FT_* name, with the setting it most likely meant (difflib, as argparse suggests choices)."""
+    import difflib
+
+    if name.upper() in BY_ENV_NAME:
+        return f"is not a fulltune setting: variable names are case-sensitive; did you mean {name.upper()}?"
+    close = difflib.get_close_matches(name.upper(), BY_ENV_NAME, n=1, cutoff=0.8)
+    return "is not a fulltune setting" + (f"; did you mean {close[0]}?" if close else " (see the README's table of variables)")
 
 
 def _shown(name: str, value: str | None) -> str:

@@ -17,6 +17,7 @@ COLUMNS = {  # format -> the columns that identify it, in detection order
     "messages": ("messages",),
     "sharegpt": ("conversations",),
     "prompt_completion": ("prompt", "completion"),
+    "alpaca": ("instruction", "output"),  # `input` is optional
     "text": ("text",),
 }
 ROLES = ("system", "user", "assistant", "tool")
@@ -55,14 +56,16 @@ def detect(columns: list[str], setting: str, source: str) -> str:
             return name
     raise DataError(
         f"{source}: unknown format: its columns {columns} match none of 'messages' (role/content), 'conversations' "
-        "(ShareGPT from/value), 'prompt' + 'completion', or 'text'; rename the columns or set FT_DATA_FORMAT"
+        "(ShareGPT from/value), 'prompt' + 'completion', 'instruction' + 'output' (Alpaca), or 'text'; "
+        'convert each row to {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]} (docs/first-hour.md shows how)'
     )
 
 
 def convert(row: Any, fmt: str, control_tokens: tuple[str, ...] = ()) -> dict:
     """Check one row and return its internal form; raise Problem when it cannot be trained on."""
     if isinstance(row, BadJson):
-        raise Problem("not valid JSON", f"not valid JSON ({row.message} at column {row.column})")
+        length = f"; the line has {row.length} characters" if row.length is not None else ""
+        raise Problem("not valid JSON", f"not valid JSON ({row.message}: column {row.column}{length})")
     if row is None:
         raise Problem("null row", "the row is null")
     if not isinstance(row, dict):
@@ -78,6 +81,8 @@ def convert(row: Any, fmt: str, control_tokens: tuple[str, ...] = ()) -> dict:
     if fmt == "prompt_completion":
         messages = _prompt_completion(row.get("prompt"), row.get("completion"))
         field = "prompt/completion"
+    elif fmt == "alpaca":
+        messages, field = _alpaca(row.get("instruction"), row.get("input"), row.get("output"), row.get("system")), "instruction/input/output"
     elif fmt == "sharegpt":
         messages, field = _sharegpt(_parsed(row.get("conversations"), "conversations")), "conversations"
     else:
@@ -111,6 +116,21 @@ def _prompt_completion(prompt: Any, completion: Any) -> list:
     if isinstance(prompt, list) and isinstance(completion, list):
         return prompt + completion
     raise Problem("content not a string", f"prompt is {_kind(prompt)} and completion is {_kind(completion)}; expected two strings or two lists of messages")
+
+
+def _alpaca(instruction: Any, extra: Any, output: Any, system: Any) -> list:
+    """Alpaca's row as one exchange: the instruction, then its input after a blank line (as Alpaca's own prompt
+    separates them), as the user turn; the output as the reply; a `system` column, where present, first."""
+    for name, value in (("instruction", instruction), ("output", output)):
+        if value is None:
+            raise Problem("missing field", f"{name} is missing or null")
+        if not isinstance(value, str):
+            raise Problem("content not a string", f"{name} is {_kind(value)}, not a string")
+    if extra is not None and not isinstance(extra, str):
+        raise Problem("content not a string", f"input is {_kind(extra)}, not a string")
+    user = instruction + (f"\n\n{extra}" if extra and extra.strip() else "")
+    head = [{"role": "system", "content": system}] if isinstance(system, str) and system.strip() else []
+    return [*head, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
 
 
 def _sharegpt(turns: Any) -> Any:
@@ -151,9 +171,20 @@ def _conversation(messages: Any, field: str, control_tokens: tuple[str, ...]) ->
         if role == "assistant" and not content.strip() and not calls:
             raise Problem("empty assistant turn", f"{where} is an assistant turn with empty content")
         _no_control_tokens(content, f"{where}.content", control_tokens)
-        out.append({"role": role, "content": content} | {k: message[k] for k in PASSED_THROUGH if message.get(k) is not None})
+        weight = _weight(message, role, where)
+        out.append({"role": role, "content": content} | {k: message[k] for k in PASSED_THROUGH if message.get(k) is not None} | weight)
     _check_order(out, field)
     return out
+
+
+def _weight(message: dict, role: str, where: str) -> dict:
+    """OpenAI's fine-tuning `weight`: 0 on an assistant turn keeps it as context, without loss (trainer/data/masking.py); 1 trains it."""
+    if "weight" not in message:
+        return {}
+    weight = message["weight"]
+    if role != "assistant" or isinstance(weight, bool) or weight not in (0, 1):
+        raise Problem("bad weight", f"{where}.weight is {weight!r} ({role} turn); expected 0 (not trained) or 1, on assistant turns only")
+    return {"weight": int(weight)}
 
 
 def _check_order(messages: list[dict], field: str) -> None:

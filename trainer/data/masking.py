@@ -44,6 +44,7 @@ class Masker:
         self.tokenizer, self.template = tokenizer, None
         self.control_tokens = tuple(t for t in tokenizer.all_special_tokens if t)
         self._tools: bool | None = None
+        self._is_chatml: bool | None = None
         if fmt == "text":
             if loss_on == "assistant":
                 raise ConfigError(
@@ -87,14 +88,23 @@ class Masker:
             if text is None:
                 continue
             ids, offsets = next(pairs)
-            if self.kind == "all":
+            weights = [m.get("weight", 1) for m in rows[i].get("messages", []) if m["role"] == "assistant"]
+            if self.kind == "all" and all(weights):
                 out[i] = (list(ids), [True] * len(ids))
                 continue
+            if self.kind == "all" and not self._chatml():
+                out[i] = Problem("weight unsupported", 'has an assistant turn with "weight": 0, but the chat template of FT_MODEL is not ChatML, so its turns cannot be told apart')
+                continue
             spans = _assistant_spans(text)
-            if len(spans) != sum(m["role"] == "assistant" for m in rows[i]["messages"]):
+            if len(spans) != len(weights):
                 out[i] = Problem("template error", "the rendered conversation does not have one ChatML block per assistant turn")
                 continue
-            out[i] = (list(ids), [any(a <= start < b for a, b in spans) for start, _ in offsets])
+            if self.kind == "all":  # every token but those of the assistant turns with weight 0
+                untrained = [span for span, weight in zip(spans, weights, strict=True) if not weight]
+                out[i] = (list(ids), [not any(a <= start < b for a, b in untrained) for start, _ in offsets])
+                continue
+            trained = [span for span, weight in zip(spans, weights, strict=True) if weight]
+            out[i] = (list(ids), [any(a <= start < b for a, b in trained) for start, _ in offsets])
         return out
 
     def _render(self, row: dict) -> str:
@@ -118,6 +128,9 @@ class Masker:
     def _marked(self, row: dict) -> tuple[list[int], list[bool]] | Problem:
         from jinja2 import TemplateError
 
+        if any(m.get("weight") == 0 for m in row["messages"]):  # transformers' assistant mask is one for all turns
+            return Problem("weight unsupported", 'has an assistant turn with "weight": 0, which {% generation %} masking cannot leave out; drop the turn or its weight')
+
         try:
             out = self.tokenizer.apply_chat_template(
                 row["messages"], tools=row.get("tools"), chat_template=self.template, return_dict=True, return_assistant_tokens_mask=True
@@ -125,6 +138,11 @@ class Masker:
         except (TemplateError, TypeError, ValueError) as error:
             return Problem("template error", f"the chat template cannot render it ({type(error).__name__}: {error})")
         return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+
+    def _chatml(self) -> bool:
+        if self._is_chatml is None:
+            self._is_chatml = _is_chatml(self.tokenizer)
+        return self._is_chatml
 
     def _supports_tools(self) -> bool:
         if self._tools is None:

@@ -29,7 +29,7 @@ from trainer.core.settings import Settings
 from trainer.core.volume import Volume
 from trainer.data import formats, masking, sources
 
-CACHE_VERSION = 1  # bump when the tokenized form changes
+CACHE_VERSION = 2  # bump when the tokenized form changes (2: assistant turns with weight 0 carry no loss)
 SHOWN = 20  # bad rows listed in messages and the report; all are counted
 CHUNK = 512  # rows tokenized per batch
 
@@ -98,6 +98,13 @@ def prepare(settings: Settings, tokenizer: Any) -> Prepared:
     if eval_set is not None and len(eval_set) == 0:
         _fail(settings, report, f"{eval_source.name}: no validation rows left")
     report["rows"] = {"train": len(train_set), "eval": len(eval_set) if eval_set is not None else 0}
+    report["eval_repeats_train"] = _repeated(train_set, eval_set)
+    if report["eval_repeats_train"]:
+        print(
+            f"fulltune: warning: {report['eval_repeats_train']} of {len(eval_set)} validation row(s) repeat a training row token for token:"
+            " the eval loss on them measures memory, not generalisation; remove them from the validation data",
+            flush=True,
+        )
     report["example"] = masking.show(tokenizer, train_set[0]["input_ids"], train_set[0]["labels"])
     _write_report(settings, report)
     if settings.data_cache and ranks.is_main():
@@ -106,12 +113,21 @@ def prepare(settings: Settings, tokenizer: Any) -> Prepared:
 
 
 def _format(source: sources.Source, settings: Settings) -> str:
-    columns = source.columns()
-    if not columns:
-        if next(source.rows(), None) is None:
-            raise DataError(f"{source.name}: no rows (the file is empty)")
-        return "messages" if settings.data_format == "auto" else settings.data_format  # every row is bad: each says why
-    return formats.detect(columns, settings.data_format, source.name)
+    """The source's row format; a source rejected as a whole (empty, unknown format) still leaves data-report.txt saying why."""
+    try:
+        columns = source.columns()
+        if not columns:
+            if next(source.rows(), None) is None:
+                raise DataError(f"{source.name}: no rows (the file is empty)")
+            return "messages" if settings.data_format == "auto" else settings.data_format  # every row is bad: each says why
+        return formats.detect(columns, settings.data_format, source.name)
+    except DataError as error:
+        path = Volume(settings.output_dir).data_report
+        if ranks.is_main():
+            os.makedirs(settings.output_dir, exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(f"fulltune data report\n{source.name}: rejected before its rows were checked: {error}\n")
+        raise DataError(f"{error}\n  full report: {path}") from error
 
 
 def _read(source: sources.Source, fmt: str, masker: masking.Masker, settings: Settings) -> _Part:
@@ -151,6 +167,14 @@ def _read(source: sources.Source, fmt: str, masker: masking.Masker, settings: Se
             flush()
     flush()
     return part
+
+
+def _repeated(train: Any, evaluation: Any | None) -> int:
+    """Validation rows whose tokens equal a training row's (hashed: one pass over each, no pairwise comparison)."""
+    if evaluation is None:
+        return 0
+    seen = {hashlib.blake2b(bytes(str(ids), "ascii"), digest_size=16).digest() for ids in train["input_ids"]}
+    return sum(hashlib.blake2b(bytes(str(ids), "ascii"), digest_size=16).digest() in seen for ids in evaluation["input_ids"])
 
 
 def _bad(part: _Part, locator: str, problem: formats.Problem) -> None:
@@ -223,6 +247,8 @@ def report_text(report: dict) -> str:
             f" median {t['median']}, p95 {t['p95']}, max {t['max']}; {report['train_tokens']} tokens"
         )
         lines.append(f"loss on {report['mask']}: {report['trained_token_fraction']:.1%} of the train tokens")
+        if report.get("eval_repeats_train"):
+            lines.append(f"warning: {report['eval_repeats_train']} validation row(s) repeat a training row")
         lines.append("example (trained spans in ⟦ ⟧):\n" + report["example"][:4000])
     return "\n".join(lines) + "\n"
 

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from trainer.core import locations
 from trainer.core.errors import DataError
 from trainer.core.settings import Settings
 
@@ -49,12 +50,10 @@ def own_test_split(spec: str, settings: Settings) -> str | None:
     """
     if settings.dataset_split == "test":
         return None
-    if _on_a_filesystem(spec):
+    if not locations.is_hub_id(spec, data=True):
         fs, path = _filesystem(spec, "FT_DATASET")
         if fs.isdir(path) and fs.exists(f"{path}/dataset_dict.json"):
             return "test" if "test" in json.loads(fs.cat(f"{path}/dataset_dict.json"))["splits"] else None
-        return None
-    if not is_hub(spec):
         return None
     import datasets
 
@@ -69,24 +68,14 @@ def open_source(spec: str, settings: Settings, variable: str, split: str | None 
     """Resolve FT_DATASET / FT_EVAL_DATASET into a Source (no rows are read yet)."""
     if split is None and variable == "FT_DATASET":
         split = settings.dataset_split
-    if _on_a_filesystem(spec):
-        fs, path = _filesystem(spec, variable)
-        if fs.isdir(path) and any(fs.exists(f"{path}/{marker}") for marker in ("dataset_dict.json", "state.json")):
-            return _saved_folder(spec, fs, path, split, variable)
-        return _files(spec, fs, path, variable)
-    if not is_hub(spec):
-        raise DataError(f"{variable}={spec!r}: no such file or folder")
-    return _hub(spec, settings, split, variable)
-
-
-def _on_a_filesystem(spec: str) -> bool:
-    """A URL, an existing path, or a glob: read through fsspec."""
-    return "://" in spec or os.path.exists(spec) or glob.has_magic(spec)
-
-
-def is_hub(spec: str) -> bool:
-    """A hub dataset id: neither on a filesystem nor shaped like a path or a data file that is missing."""
-    return not _on_a_filesystem(spec) and not (spec.startswith(("/", "./", "../")) or os.path.splitext(spec)[1].lower() in READERS)
+    if locations.is_hub_id(spec, data=True):  # trainer/core/locations.py decides, for the model and the data alike
+        return _hub(spec, settings, split, variable)
+    if why := locations.missing(variable, spec, data=True):
+        raise DataError(why)
+    fs, path = _filesystem(spec, variable)
+    if fs.isdir(path) and any(fs.exists(f"{path}/{marker}") for marker in ("dataset_dict.json", "state.json")):
+        return _saved_folder(spec, fs, path, split, variable)
+    return _files(spec, fs, path, variable)
 
 
 def _filesystem(spec: str, variable: str) -> tuple[Any, str]:
@@ -119,7 +108,7 @@ def _files(spec: str, fs: Any, path: str, variable: str) -> Source:
         raise DataError(
             f"{variable}={spec!r}: expected .jsonl, .json, .parquet or .csv files of one kind; found {len(found)} file(s)"
             + (f" including {', '.join(others)}" if others else "")
-            + (f" of kinds {sorted(k for k in kinds if k)}" if len(kinds) > 1 else "")
+            + (f" of kinds {', '.join(sorted({os.path.splitext(p)[1].lower() for p in found if READERS.get(os.path.splitext(p)[1].lower())}))}" if len(kinds) > 1 else "")
         )
     kind = kinds.pop()
     infos = [fs.info(p) for p in found]
@@ -164,10 +153,11 @@ def _json_lines(f: Any, name: str) -> Iterator[tuple[str, Any]]:
     for number, line in enumerate(f, start=1):
         if not line.strip():
             continue
+        line = line.rstrip("\r\n")  # else a line cut short reads as "Invalid control character" at the newline, not where it broke
         try:
             yield f"{name} line {number}", json.loads(line)
         except json.JSONDecodeError as error:
-            yield f"{name} line {number}", BadJson(error.msg, error.colno)
+            yield f"{name} line {number}", BadJson(error.msg, error.colno, len(line))
 
 
 @dataclasses.dataclass
@@ -175,7 +165,8 @@ class BadJson:
     """A line that is not valid JSON, kept as a row so that validation reports it like any other."""
 
     message: str
-    column: int
+    column: int  # Python's, counted from 1
+    length: int | None = None  # the line's characters: an error at its end means the line was cut short
 
 
 def _parquet_rows(fs: Any, path: str, name: str) -> Iterator[tuple[str, Any]]:
@@ -220,11 +211,19 @@ def _hub(spec: str, settings: Settings, split: str | None, variable: str) -> Sou
     def dataset() -> Any:
         if "split" not in loaded:
             import datasets
+            from huggingface_hub import constants
 
             try:
                 got = datasets.load_dataset(spec, config, revision=revision, split=split)
             except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
-                raise DataError(f"{variable}={spec!r}: cannot load it from the hub ({type(error).__name__}: {error})") from error
+                raise DataError(f"{variable}={spec!r}: cannot load it from the hub ({type(error).__name__}: {error}); {locations.not_local(spec)}") from error
+            except ConnectionError as error:
+                if not constants.HF_HUB_OFFLINE:
+                    raise  # the hub answered at start (trainer/model/hub.py): a retry may help
+                raise DataError(  # nothing a retry changes: the cache lacks it
+                    f"{variable}={spec!r}: HF_HUB_OFFLINE=1 and the hub cache (HF_HOME) does not hold it; {locations.not_local(spec)}."
+                    " Point it at local files, or fill the cache on a connected machine"
+                ) from error
             loaded["split"] = _pick_split(got, None, variable, spec) if isinstance(got, datasets.DatasetDict) else got
         return loaded["split"]
 

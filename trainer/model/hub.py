@@ -10,23 +10,18 @@ means the hub is reachable; what it says about the id is left to the libraries' 
 
 from __future__ import annotations
 
-import os
-
-from trainer.core import probe
+from trainer.core import locations, probe
 from trainer.core.errors import HubUnreachable
 from trainer.core.settings import Settings
-from trainer.data import sources
 
 TRIES = 3  # 1 s and 2 s apart (trainer/core/probe.py)
 
 
 def hub_ids(settings: Settings) -> dict[str, str]:
     """The settings that name something on the hub: FT_MODEL, FT_DATASET, FT_EVAL_DATASET."""
-    found = {}
-    if not os.path.isdir(settings.model) and not settings.model.startswith(("/", "./", "../")):
-        found["FT_MODEL"] = settings.model
+    found = {"FT_MODEL": settings.model} if locations.is_hub_id(settings.model) else {}
     for variable, spec in (("FT_DATASET", settings.dataset), ("FT_EVAL_DATASET", settings.eval_dataset)):
-        if spec and sources.is_hub(spec):
+        if spec and locations.is_hub_id(spec, data=True):
             found[variable] = spec
     return found
 
@@ -42,8 +37,9 @@ def check_reachable(settings: Settings) -> None:
     if why is None:
         return
     named = ", ".join(f"{variable}={spec!r}" for variable, spec in ids.items())
+    local = "; ".join(locations.not_local(spec) for spec in ids.values())
     raise HubUnreachable(
-        f"{named}: the Hugging Face hub at {constants.ENDPOINT} is unreachable ({why}). To run without it, put the files on the volume and "
+        f"{named}: the Hugging Face hub at {constants.ENDPOINT} is unreachable ({why}); {local}. To run without it, put the files on the volume and "
         "point the variable at them (FT_MODEL=<folder with config.json and *.safetensors>, FT_DATASET=<files or save_to_disk folder>), "
         "or fill HF_HOME's cache on a connected machine and set HF_HUB_OFFLINE=1. A retry helps once the hub (or HF_ENDPOINT) answers."
     )

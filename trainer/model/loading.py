@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
+from trainer.core import locations
 from trainer.core.config import Precision
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
@@ -21,13 +21,19 @@ def hub_kwargs(settings: Settings) -> dict[str, Any]:
 
 def read_config(settings: Settings) -> Any:
     """The model's config alone (a few KB): enough to plan memory before downloading weights."""
+    from huggingface_hub import constants
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(settings.model, **hub_kwargs(settings))
     except (OSError, ValueError) as error:
-        if os.path.isdir(settings.model) or settings.model.startswith(("/", "./")):
+        if not locations.is_hub_id(settings.model):
             raise ConfigError(f"FT_MODEL={settings.model!r}: cannot read a model config there ({error})") from error
+        if constants.HF_HUB_OFFLINE:  # nothing a retry changes: the cache lacks it
+            raise ConfigError(
+                f"FT_MODEL={settings.model!r}: HF_HUB_OFFLINE=1 and the hub cache (HF_HOME) does not hold it; {locations.not_local(settings.model)}."
+                " Point FT_MODEL at a local folder with config.json, or fill the cache on a connected machine"
+            ) from error
         raise
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from trainer.core import locations
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
 
@@ -34,12 +35,19 @@ def model_files(settings: Settings) -> list[str] | None:
     e.g. offline and not cached; loading still takes safetensors only)."""
     if os.path.isdir(settings.model):
         return [os.path.relpath(os.path.join(root, name), settings.model) for root, _, names in os.walk(settings.model) for name in names]
-    from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError
 
     revision = settings.model_revision or None
     try:
         return HfApi().list_repo_files(settings.model, revision=revision)
+    except RevisionNotFoundError as error:
+        raise ConfigError(f"FT_MODEL={settings.model!r} has no revision FT_MODEL_REVISION={revision!r} on the hub at {constants.ENDPOINT}") from error
+    except RepositoryNotFoundError as error:  # also a gated or private repository without access
+        raise ConfigError(
+            f"FT_MODEL={settings.model!r}: the hub at {constants.ENDPOINT} has no such model, or it is private or gated and HF_TOKEN has no access to it;"
+            f" {locations.not_local(settings.model)}"
+        ) from error
     except OfflineModeIsEnabled:
         try:
             folder = snapshot_download(settings.model, revision=revision, local_files_only=True)
