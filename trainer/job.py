@@ -19,7 +19,7 @@ from trainer.core.errors import Preempted, exit_code_for, record_exit
 from trainer.core.volume import Volume, follow_umask, staged
 from trainer.data import demo
 from trainer.data import prepare as data
-from trainer.model import hub, memory, recipe, sharding
+from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
 from trainer.tracking import progress, report, samples
 from trainer.tracking import run as tracking
@@ -47,7 +47,7 @@ def run(config: Config) -> None:
     if settings.preset == "demo":
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
-    plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
+    plan = stepdown.resumed(config, memory.preflight(config))  # from config.json alone: exit 2 before weights or data are downloaded
     checkpoints.check_sharding(checkpoints.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
@@ -76,6 +76,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
 
     settings, cuda = config.settings, config.cuda
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
+    tracking.log(tags={"attention": attention.path_taken(net)})  # which attention trained (the loop, torch's varlen kernel, sdpa)
     progress.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
     eval_rows = recipe.eval_rows(settings, prepared.eval)
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
@@ -117,15 +118,20 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
     volume = Volume(config.settings.output_dir)
-    # Rank 0 sets cut-short and damaged saves aside (reading the newest back against its checksums); the others then take the newest left.
-    resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
-    if stopper.requested:
-        raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-    trainer = build_trainer(config, tokenizer, prepared, plan, callbacks=(stopper,))
-    trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
-    print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
-    with diskfull.reported(volume.root, lambda: _full_during_training(config, trainer, volume)):
-        trainer.train(resume_from_checkpoint=resume)
+
+    def attempt(plan: memory.Plan, watch: Any) -> Any:
+        # Rank 0 sets cut-short and damaged saves aside (reading the newest back against its checksums); the others then take the newest left.
+        resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
+        if stopper.requested:
+            raise Preempted("stopped before training started; the committed checkpoints are unchanged")
+        trainer = build_trainer(config, tokenizer, prepared, plan, callbacks=(stopper, watch))
+        trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
+        print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
+        with diskfull.reported(volume.root, lambda: _full_during_training(config, trainer, volume)):
+            trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    trainer = stepdown.Ladder(config, plan).run(attempt)  # out of memory: the next plan down, from the last committed checkpoint
     if stopper.requested:
         run_report.stopped(trainer.state.global_step)
         raise Preempted(f"stopped by signal; checkpoint at step {trainer.state.global_step} committed in {volume.checkpoints}")
