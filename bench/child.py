@@ -143,26 +143,57 @@ def fulltune_config(args, work: str, name: str, overrides: dict[str, str], cuda:
     return job_config.build(settings, cuda=cuda, bf16_supported=cuda and torch.cuda.is_bf16_supported())
 
 
-def fulltune(config: Any, timer: Any = None, tracker: Any = None) -> Any:
+def fulltune(config: Any, timer: Any = None, tracker: Any = None, plan: Any = None, callbacks: tuple = ()) -> Any:
     """The job's trainer: the stages trainer/job.py runs before training, then `job.build_trainer` itself
-    (`tracker`: the job's MLflow run, none with --no-mlflow)."""
+    (`tracker`: the job's MLflow run, none with --no-mlflow; `plan`: the memory plan to train with, as the job's
+    step-down passes it; default the preflight's)."""
     from trainer import job
     from trainer.data import prepare as data
     from trainer.model import loading as model
     from trainer.model import memory, recipe
 
     settings = config.settings
-    plan = memory.preflight(config)
+    plan = plan or memory.preflight(config)
     tokenizer = model.load_tokenizer(settings)
     prepared = data.prepare(settings, tokenizer)
     net = None
     if config.cuda:  # random-init weights built on the GPU, in the precision's weight dtype (bf16 for bf16-sr)
         net = _gpu_model(settings.model, config.precision.dtype())
         net.config.pad_token_id = tokenizer.pad_token_id
-    trainer = job.build_trainer(config, tokenizer, prepared, plan, tracker=tracker, net=net, callbacks=(timer,) if timer is not None else ())
+    trainer = job.build_trainer(config, tokenizer, prepared, plan, tracker=tracker, net=net, callbacks=((timer,) if timer is not None else ()) + callbacks)
     layout = f"{plan.sequences_per_pass}x{plan.passes_per_step}, {memory.checkpointing_label(plan.checkpoint_every, plan.layers)}"
     trainer.bench_layout = f"{layout}, {'on' if recipe.padding_free(settings, config.cuda) else 'off'}"
+    trainer.bench_plan_gb = plan.peak / 1e9
     return trainer
+
+
+def fulltune_stepping_down(config: Any, timer: Any, tracker: Any = None) -> tuple[Any, int, float]:
+    """Train the fulltune variant as job.train does: out of memory, the next plan down (trainer/model/stepdown.py);
+    returns the trainer that finished, how many times it stepped down, and the seconds its `train()` took."""
+    from trainer.model import memory, stepdown
+
+    ladder = stepdown.Ladder(config, memory.preflight(config))
+    took = []
+
+    def attempt(plan: Any, watch: Any) -> Any:
+        trainer = fulltune(config, timer, tracker, plan=plan, callbacks=(watch,))
+        started = time.perf_counter()
+        trainer.train()
+        took.append(time.perf_counter() - started)
+        return trainer
+
+    trainer = ladder.run(attempt)
+    return trainer, len(ladder.record.get("out_of_memory", [])), took[-1]
+
+
+def _attention(trainer: Any) -> str:
+    """Which attention trained, and what the self-check said (bench/gpu_check.sh prints it per variant)."""
+    from trainer.model import attention
+
+    name, why = trainer.model.config._attn_implementation, attention.decided()
+    if why and name in (attention.NAME, attention.NATIVE):
+        return why
+    return "per-sequence SDPA loop (no CUDA: no self-check)" if name == attention.NAME else name
 
 
 def eval_loss(net: Any, tokenizer: Any, work: str, max_length: int, cuda: bool) -> float:
@@ -229,6 +260,12 @@ def run(args) -> dict:
 
             context = mlflow.start_run(run_name=f"bench-{name}", log_system_metrics=True)
     else:
+        from trainer.model import attention
+
+        if overrides.pop("BENCH_ATTENTION", "") == "loop":  # the varlen-vs-loop comparison on one card
+            attention.prefer_loop("chosen by the benchmark")
+        for fault in [k for k in overrides if k.startswith("FAULT_")]:  # gpu_check.sh --dry-run: tests/faults, before trainer.model.recipe is imported
+            os.environ[fault] = overrides.pop(fault)
         config = fulltune_config(args, work, name, overrides, cuda)
         tracker = None
         if not args.no_mlflow:  # the job's own MLflow run, as job.run opens it around training
@@ -237,13 +274,17 @@ def run(args) -> dict:
             tracker = Tracker(config)
             tracker.start()
             context = tracker
-        trainer = fulltune(config, timer, tracker)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    with context:
-        started = time.perf_counter()
-        trainer.train()
-        in_train = time.perf_counter() - started
+    if name == "literal":
+        with context:
+            started = time.perf_counter()
+            trainer.train()
+            in_train = time.perf_counter() - started
+        stepdowns = 0
+    else:
+        with context:
+            trainer, stepdowns, in_train = fulltune_stepping_down(config, timer, tracker)
     tokens = float(trainer._total_train_tokens)
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e]
@@ -265,6 +306,9 @@ def run(args) -> dict:
         "losses": losses,
         "trainer_eval_loss": evals[-1] if evals else None,
         "layout": trainer.bench_layout,
+        "attention": _attention(trainer),
+        "stepdowns": stepdowns,
+        **({"plan_gb": trainer.bench_plan_gb} if hasattr(trainer, "bench_plan_gb") else {}),
         "threads": torch.get_num_threads(),
     }
     if cuda:
@@ -277,7 +321,7 @@ def run(args) -> dict:
 def dry_run(args, work: str) -> None:
     """Memory plans for the fulltune settings on an 80 GB GPU (H100), from config.json alone."""
     from trainer.core import settings as settings_table
-    from trainer.core.config import PRECISIONS, Config
+    from trainer.core.config import PRECISIONS
     from trainer.model import loading as model
     from trainer.model import memory
 
@@ -287,6 +331,7 @@ def dry_run(args, work: str) -> None:
         settings = settings_table.load(env)
         precision = PRECISIONS["bf16-sr" if settings.precision == "bf16-sr" else "bf16-mixed"]  # as on a bf16 GPU
         print(f"bench: dry run {extra or 'defaults'}, FT_MAX_LENGTH={settings.max_length}, {precision.name}:", flush=True)
-        chosen = memory.preflight(Config(settings, cuda=False, precision=precision))
-        n = model.parameter_count(model.read_config(settings))
+        config = model.read_config(settings)  # the plan alone: preflight's trust check wants weights, and the GPU run builds them at random
+        n = model.parameter_count(config)
+        chosen = memory.plan(config, n, settings, precision, memory.device_capacity(settings, cuda=False), settings.activation_checkpointing)
         print(f"bench:   {n / 1e9:.3f}B parameters; chosen {chosen.describe()}", flush=True)

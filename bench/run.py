@@ -175,6 +175,8 @@ ROWS = [  # label, key, format, "min" (lower is better: min / median) or "max" (
     ("time in optimizer steps (s)", "train_s", "{:.1f}", "min"),
     ("time in evaluations, saves, best-model load (s)", "eval_s", "{:.1f}", "min"),
     ("peak memory (GB)", "peak_gb", "{:.2f}", "min"),
+    ("peak memory planned (GB, the plan that trained)", "plan_gb", "{:.2f}", "min"),
+    ("out-of-memory step-downs before it trained", "stepdowns", "{:.0f}", "min"),
     ("final eval loss (same procedure)", "eval_loss", "{:.4f}", "min"),
     ("trainer's last eval_loss", "trainer_eval_loss", "{:.4f}", "min"),
 ]
@@ -269,6 +271,8 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[
         out.append(f"| {label}{mark} | " + " | ".join(cells) + " |")
     layouts = [", ".join(sorted({r.get("layout", "-") for r in ok[n]})) if ok[n] else "-" for n in names]
     out.append("| layout (seqs x passes), recomputation, padding-free | " + " | ".join(layouts + [""] * len(compared)) + " |")
+    paths = [", ".join(sorted({r.get("attention", "-") for r in ok[n]})) if ok[n] else "-" for n in names]
+    out.append("| attention (and its self-check) | " + " | ".join(paths + [""] * len(compared)) + " |")
     if not compared and len(names) > 1 and "literal" in names:
         out.append("\nNo ratio: variants are compared only when both ran in at least 2 interleaved rounds.")
     out.append("\nRuns in order (1-minute load average when each run started → ended, and the highest seen every 5 s; the run's own threads add ~2):")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from bench import child, synthetic
 from bench import run as bench_run
 
@@ -60,3 +64,26 @@ def test_ratio_only_from_interleaved_rounds_and_min_median_per_variant():
     assert wall == "| end-to-end wall (s) | 100.0 / 110.0 | 50.0 / 60.0 | 0.50 · 0.55 · 0.50, 0.58 |"
     speed = next(line for line in text.splitlines() if line.startswith("| training tokens/s"))
     assert "| 10 / 9 | 20 / 17 |" in speed  # rates: max / median
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_variant_on_cpu_and_the_stepdown_one_steps_down_out_of_memory(tmp_path):
+    """`bash bench/gpu_check.sh --dry-run` (CI): the wheel list matches what is installed, the Qwen3-4B plans print, and
+    every variant that can run on CPU trains, the stepdown one after an (injected) out-of-memory error."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "MLFLOW_", "FAULT_"))} | {"PYTHON": sys.executable, "BENCH_WORK": str(tmp_path / "work")}
+    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    assert "gpu_check: wheel list: 9 pins, each the version installed here" in log
+    assert log.count("B parameters; chosen") == 4  # defaults, 4096 tokens, as-set, bf16-sr
+    table = {line.split(" | ")[0].lstrip("| "): line.strip(" |").split(" | ")[1:] for line in log.splitlines() if line.startswith("| ")}
+    assert "| | literal (one run) | fulltune (one run) | loop (one run) | padded (one run) | stepdown (one run) |" in log
+    assert table["out-of-memory step-downs before it trained"][1:] == ["0", "0", "0", "2"]  # 8 x 1, recomputing 2 of 4 layers, then every layer: 4 x 2 fits
+    assert float(table["peak memory planned (GB, the plan that trained)"][4]) > 0
+    assert table["attention (and its self-check)"][1:] == ["per-sequence SDPA loop (no CUDA: no self-check)", "per-sequence SDPA loop (chosen by the benchmark)", "sdpa", "per-sequence SDPA loop (no CUDA: no self-check)"]
+    assert table["layout (seqs x passes), recomputation, padding-free"][4].startswith("4x2")

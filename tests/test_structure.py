@@ -17,7 +17,7 @@ from conftest import ROOT, job_env, run_job, with_faults
 
 CODE = sorted((ROOT / "trainer").rglob("*.py")) + [ROOT / "entrypoint.py"]
 LAYOUT = {"checkpoints", "incomplete", "final", "mlflow", ".fulltune", "data-cache", "data-report.txt", "eval-samples.jsonl", "report.html", "demo",
-          "status.json", "fingerprint.json", "mlflow_run.json", "lease.json", "lease.lock", "unsent-tracking.json"}
+          "status.json", "fingerprint.json", "mlflow_run.json", "lease.json", "lease.lock", "unsent-tracking.json", "memory-plan.json"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -24,7 +24,7 @@ from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
 from trainer.data import demo
 from trainer.data import prepare as data
-from trainer.model import hub, memory, recipe, sharding
+from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
 from trainer.tracking import packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
@@ -58,7 +58,7 @@ def run(config: Config, tracker: Tracker) -> None:
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
-    plan = memory.preflight(config)  # from config.json alone: exit 2 before weights or data are downloaded
+    plan = stepdown.resumed(config, memory.preflight(config))  # from config.json alone: exit 2 before weights or data are downloaded
     sharding.check_resumable(checkpoints.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
@@ -115,6 +115,8 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     settings, cuda = config.settings, config.cuda
     tracker = tracker or Tracker(config, enabled=False)
     net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
+    if tracker is not None:
+        tracker.log(tags={"attention": attention.path_taken(net)})  # which attention trained (the loop, torch's varlen kernel, sdpa)
     quiet.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
     eval_rows = recipe.eval_rows(settings, prepared.eval)
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
@@ -157,17 +159,22 @@ def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
     volume = Volume(config.settings.output_dir)
-    # Rank 0 sets cut-short and damaged saves aside (reading the newest back against its checksums); the others then take the newest left.
-    resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
-    if stopper.requested:
-        raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-    trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper,))
-    trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
-    tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
-    print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
-    estimate = config.precision.checkpoint_bytes * trainer.model.num_parameters()  # until a checkpoint says how big one is
-    with diskfull.reported(volume.root, lambda: diskfull.while_training(volume, trainer.state.global_step, estimate)):
-        trainer.train(resume_from_checkpoint=resume)
+
+    def attempt(plan: memory.Plan, watch: Any) -> Any:
+        # Rank 0 sets cut-short and damaged saves aside (reading the newest back against its checksums); the others then take the newest left.
+        resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
+        if stopper.requested:
+            raise Preempted("stopped before training started; the committed checkpoints are unchanged")
+        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch))
+        trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
+        tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
+        print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
+        estimate = config.precision.checkpoint_bytes * trainer.model.num_parameters()  # until a checkpoint says how big one is
+        with diskfull.reported(volume.root, lambda: diskfull.while_training(volume, trainer.state.global_step, estimate)):
+            trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    trainer = stepdown.Ladder(config, plan).run(attempt)  # out of memory: the next plan down, from the last committed checkpoint
     if stopper.requested:
         tracker.ended_training(f"stopped by a signal at step {trainer.state.global_step} (exit 75)")
         run_report.stopped(trainer.state.global_step)

@@ -16,6 +16,9 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        follows, the run report and closing the MLflow run, taking long)
   FAULT_COUNT_PARSES=<file>            append a line to <file> each time the FT_* settings are parsed
   FAULT_CHILD_ENV=FT_MAX_STEPS=3       the training process starts with this variable changed
+  FAULT_OOM_ABOVE_SEQUENCES=2          a training forward pass of more than 2 sequences (padding-free: position ids restarting
+                                       at 0) raises torch.OutOfMemoryError, as CUDA would for a plan too large for the card
+  FAULT_OOM_AFTER_PASSES=2             ... only after that many training passes have run in the process (a later, longer batch)
 """
 
 import importlib.abc
@@ -120,10 +123,37 @@ def _count_parses(module):
     module.load = load
 
 
+def _out_of_memory_above(module):
+    """A forward pre-hook on the model the job prepares: CUDA's error, raised where a real allocation would fail."""
+    import torch
+
+    limit = int(os.environ["FAULT_OOM_ABOVE_SEQUENCES"])
+    after = int(os.environ.get("FAULT_OOM_AFTER_PASSES") or 0)
+    passes = []
+    original = module.prepare_model
+
+    def check(net, args, kwargs):
+        if not torch.is_grad_enabled():  # evaluation and sample answers: only training passes are sized by the plan
+            return
+        ids, positions = kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")
+        sequences = int((positions == 0).sum()) if positions is not None and ids.shape[0] == 1 else ids.shape[0]
+        passes.append(sequences)
+        if len(passes) > after and sequences > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: a pass of {sequences} sequences, more than {limit}). Tried to allocate 2.00 GiB.")
+
+    def prepare_model(net, *args, **kwargs):
+        net = original(net, *args, **kwargs)
+        net.register_forward_pre_hook(check, with_kwargs=True)
+        return net
+
+    module.prepare_model = prepare_model
+
+
 PATCHES = {  # module -> (variables, patch)
     "trainer.checkpointing.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HOLD_AFTER_STOP_COMMIT"), _preemption_faults),
     "trainer.checkpointing.commits": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
+    "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES",), _out_of_memory_above),
 }
 if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
     when = os.environ.get("FAULT_FILL_VOLUME_AT", "")

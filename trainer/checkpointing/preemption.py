@@ -29,6 +29,7 @@ class StopOnSignal(TrainerCallback):
         self.requested_at: float | None = None
         self.deadline: threading.Timer | None = None
         self.committed = False  # the stop's checkpoint counts: what is left (the run report, MLflow) may be cut short
+        self.any_rank = ranks.AnyRank()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
 
@@ -68,13 +69,20 @@ class StopOnSignal(TrainerCallback):
                 self.deadline.cancel()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if ranks.any_rank(self.requested) and not self.requested:  # another node was told to stop: stop here too
-            self._on_stop(f"a stop signal on another rank at step {state.global_step}")
-        if self.requested:
+        # With several ranks every rank learns of a stop one step after it was requested anywhere, all at the same step
+        # (trainer/core/ranks.py AnyRank: no GPU sync per step); with one process, at this step.
+        if self.any_rank.exchange(self.requested):
+            if not self.requested:  # another node was told to stop: stop here too
+                self._on_stop(f"a stop signal on another rank at step {state.global_step}")
             control.should_save = True
             control.should_evaluate = False
             control.should_training_stop = True
         return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """The last step's exchange, waited for on every rank: a stop requested in the last step is seen by all or none."""
+        if self.any_rank.settle() and not self.requested:
+            self._on_stop(f"a stop signal on another rank at step {state.global_step}")
 
 
 def end_with_the_launcher(every_seconds: float = 1.0) -> None:

@@ -36,6 +36,10 @@ def start(config: Any) -> None:
     from accelerate import PartialState
 
     PartialState(timeout=timedelta(seconds=config.settings.collective_timeout_seconds))
+    global _flags
+    import torch.distributed as dist
+
+    _flags = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.settings.collective_timeout_seconds))  # every rank, once
     shared = dataclasses.replace(config.settings, node_rank=0, termination_message_path="")  # the two settings that are each node's own
     mine = hashlib.sha256(json.dumps(dataclasses.asdict(shared), sort_keys=True).encode()).hexdigest()
     ours = gather(mine)
@@ -61,16 +65,47 @@ def barrier() -> None:
         dist.barrier()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if it is true on any (a stop signal that reached one node stops them all at this step)."""
-    if world_size() == 1:
-        return flag
-    import torch
-    import torch.distributed as dist
+_flags: Any = None  # a gloo group beside the training one (NCCL on GPU): flags travel between the hosts' CPUs
 
-    value = torch.tensor([1.0 if flag else 0.0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+
+class AnyRank:
+    """Whether a flag (a stop signal that reached one node) is up on any rank, agreed by every rank, without a
+    GPU sync and without waiting for the network: each call starts this call's exchange and returns the previous
+    one's result, so every rank learns of a flag one call later, at the same call.
+
+    The exchange is an all-reduce of a CPU tensor on a gloo group, started with `async_op`: under NCCL a flag on
+    the GPU would cost a device-to-host copy (`.item()`) that waits for the whole step's queued work, every step.
+    With one process the flag is returned as it is."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[Any, Any] | None = None
+
+    def exchange(self, flag: bool) -> bool:
+        if world_size() == 1:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        seen = self.settle()
+        value = torch.tensor([1.0 if flag else 0.0])
+        self._pending = (dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_flags, async_op=True), value)
+        return seen
+
+    def settle(self) -> bool:
+        """The result of the exchange in flight (False when none is): waits for it."""
+        if self._pending is None:
+            return False
+        work, value = self._pending
+        self._pending = None
+        work.wait()
+        return bool(value.item())  # a CPU tensor: no device sync
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is true on any, at this call (it waits for every rank: for rare checks, e.g. once per save)."""
+    exchange = AnyRank()
+    seen = exchange.exchange(flag)
+    return seen if world_size() == 1 else exchange.settle()
 
 
 def main_first(work: Callable[[], T]) -> T:

@@ -109,6 +109,11 @@ class Volume:
         return self._path(".fulltune", "unsent-tracking.json")
 
     @property
+    def memory_plan_file(self) -> str:
+        """The plan an out-of-memory step-down settled on, with the peaks measured (trainer/model/stepdown.py): a restart starts there."""
+        return self._path(".fulltune", "memory-plan.json")
+
+    @property
     def data_cache(self) -> str:
         return self._path(".fulltune", "data-cache")
 

@@ -53,11 +53,11 @@ def optimizer_cls_and_kwargs(precision: Precision, args: Any) -> Any:
 
 
 def prepare_model(net: Any, settings: Settings, cuda: bool) -> Any:
-    """Switch the loaded model to per-sequence attention when passes are padding-free."""
+    """Switch the loaded model to our padding-free attention (trainer/model/attention.py) when passes are padding-free."""
     if padding_free(settings, cuda) and net.config._attn_implementation not in ("flash_attention_2", "flash_attention_3"):
         from trainer.model import attention
 
-        net.set_attn_implementation(attention.register())
+        net.set_attn_implementation(attention.register(cuda))  # on CUDA torch's varlen kernel, if its self-check passes
     return net
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from trainer.core.volume import read_json, write_json
+from trainer.core.files import read_json, write_json
 
 
 def run_id(path: str) -> str | None:
