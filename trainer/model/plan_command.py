@@ -20,7 +20,7 @@ import types
 from typing import Any
 
 from trainer.core import config as job_config
-from trainer.core import errors, settings
+from trainer.core import ending, errors, settings
 from trainer.core.errors import ConfigError
 from trainer.model import memory
 
@@ -124,11 +124,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--card", help=f"one of {', '.join(CARDS)} (default: FT_GPU_MEMORY_GB if set, else {DEFAULT_CARD})")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     args = parser.parse_args(argv)
-    errors.set_termination_message_path(os.environ.get("FT_TERMINATION_MESSAGE_PATH", ""))  # a question, not a job: no termination log
+    ending.set_termination_message_path(os.environ.get("FT_TERMINATION_MESSAGE_PATH", ""))  # a question, not a job: no termination log
     try:
         data, fixes = report(settings.load(os.environ), args.card)
     except errors.FulltuneError as error:
-        return errors.exit_code_for(error)
+        return ending.exit_code_for(error)
     print(json.dumps(data) if args.json else describe(data), flush=True)
     return 0 if data["fits"] else ConfigError.exit_code
 
