@@ -80,6 +80,7 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     eval_rows = recipe.eval_rows(settings, prepared.eval)
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
+    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, Volume(settings.output_dir).incomplete, settings.save_every_minutes, pinned=cuda)
     trainer = sharding.trainer_class()(  # TRL's SFTTrainer; under FSDP it shards on CPU processes too
         model=net,
         args=args,
@@ -89,13 +90,13 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         eval_dataset=eval_rows,
         processing_class=tokenizer,
         callbacks=[
-            checkpoints.CommitCheckpoints(settings.save_total_limit, Volume(settings.output_dir).incomplete),
+            saver,
             *callbacks,
             *([sharding.ReportShards()] if plan.strategy == "fsdp" else []),
             *_sample_answers(config, tokenizer, prepared, plan),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             tracking.MetricsCallback(),
-            progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda),
+            progress.Progress(net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs),
             divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit),  # last: the diverged loss is logged and printed first
         ],
     )

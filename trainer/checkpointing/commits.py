@@ -27,6 +27,7 @@ import time
 import xxhash
 from transformers import TrainerCallback
 
+from trainer.checkpointing import saving
 from trainer.core import ranks
 from trainer.core.config import Config
 from trainer.core.errors import ConfigError, Diverged
@@ -229,26 +230,65 @@ def rotate(checkpoint_dir: str, keep: int, best: str | None) -> None:
 
 
 class CommitCheckpoints(TrainerCallback):
-    """After transformers writes `checkpoint-N`, check its weights are finite, commit it, then apply our retention."""
+    """The job's checkpoint saves (checkpointing/saving.py takes the Trainer's `_save_checkpoint` over): check the
+    weights are finite, snapshot, then in the background write, commit and apply our retention.
 
-    def __init__(self, keep: int, quarantine_dir: str | None = None):
+    `every_minutes`: also save at the first evaluation step once that many minutes have passed since the last save.
+    """
+
+    def __init__(self, keep: int, quarantine_dir: str | None = None, every_minutes: float = 0.0, pinned: bool = False):
         self.keep, self.quarantine_dir = keep, quarantine_dir  # None: the volume's incomplete/ beside args.output_dir
+        self.every_seconds = every_minutes * 60
+        self.saves = saving.Saves(pinned)
+        self.last_save = time.monotonic()
 
-    def on_save(self, args, state, control, model=None, **kwargs):
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        bad = nonfinite_parameters(model) if model is not None else []
+    @property
+    def costs(self) -> saving.Costs:
+        return self.saves.costs
+
+    def save_checkpoint(self, trainer, trial) -> None:
+        state, args = trainer.state, trainer.args
+        bad = nonfinite_parameters(trainer.model)
         if ranks.any_rank(bool(bad)):  # every rank stops here, not only those whose shard holds the NaN
+            self.saves.wait()
+            folder = saving.save(trainer, trial, self.saves, None, background=False)
             target = folder
             if ranks.is_main():
                 target = set_aside(folder, self.quarantine_dir or Volume(os.path.dirname(os.path.abspath(args.output_dir))).incomplete, "not-finite")
             shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             raise diverged(state.global_step, f"the weights hold NaN or infinite values ({shown or 'on another rank'}); that checkpoint is set aside in {target}", args.output_dir)
-        ranks.barrier()  # every rank has written its part (its RNG state; its shards under FSDP)
-        if ranks.is_main():  # one manifest, written last, by one rank
-            commit(folder, state.global_step)
-            rotate(args.output_dir, self.keep, state.best_model_checkpoint)
-            print(f"fulltune: committed checkpoint at step {state.global_step}: {folder}", flush=True)
-        ranks.barrier()  # no rank goes on, or stops, before the checkpoint counts
+        saving.save(trainer, trial, self.saves, self._commit)
+        self.last_save = time.monotonic()
+        if trainer.control.should_training_stop:  # a stop, early stopping or the last step: committed before `on_save`
+            self.wait_for_saves()
+
+    def _commit(self, folder: str, step: int, best: str | None) -> None:
+        """On the main rank, once every file of the checkpoint is written (in the background)."""
+        commit(folder, step)
+        rotate(os.path.dirname(folder), self.keep, best)
+        self.saves.costs.bytes = committed_bytes(folder)
+        print(f"fulltune: committed checkpoint at step {step}: {folder}", flush=True)
+
+    def wait_for_saves(self) -> None:
+        """Every rank returns once the save in flight (on the main rank) is committed."""
+        self.saves.wait()
+        ranks.barrier()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.saves.costs.began = time.perf_counter()
+        self.last_save = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.every_seconds or control.should_save or state.global_step % args.eval_steps:
+            return control
+        # every rank decides alike (their clocks do not): the main rank's clock decides
+        if ranks.any_rank(ranks.is_main() and time.monotonic() - self.last_save >= self.every_seconds):
+            control.should_save = True
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.wait_for_saves()
+        self.saves.close()
 
 
 # -- What the checkpoints on a volume belong to ------------------------------------------------

@@ -47,6 +47,20 @@ def trainer_class() -> type:
             super().create_accelerator_and_postprocess()
             honour_fsdp_on_cpu(self)
 
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            """The job's saver (checkpointing/commits.py, a callback with `save_checkpoint`) takes the save over:
+            it snapshots the state and writes it in the background."""
+            saver = self._checkpoint_saver()
+            return saver.save_checkpoint(self, trial) if saver else super()._save_checkpoint(model, trial)
+
+        def _load_best_model(self) -> None:
+            if saver := self._checkpoint_saver():
+                saver.wait_for_saves()  # the best checkpoint may still be being written
+            super()._load_best_model()
+
+        def _checkpoint_saver(self) -> Any:
+            return next((cb for cb in self.callback_handler.callbacks if hasattr(cb, "save_checkpoint")), None)
+
     return ShardedSFTTrainer
 
 

@@ -8,6 +8,9 @@ second over the GPU's dense bf16 peak: 6 x parameters + 12 x layers x attention 
 per token (torchtitan's count; recomputation is not counted).  `mem_gb` is
 `torch.cuda.max_memory_allocated` on GPU and the peak RSS on CPU.  `eta_s` extrapolates the mean
 wall time per step so far, evaluations included.  Keys without a value on this device are left out.
+At each checkpoint save a line says what it cost (checkpointing/saving.py):
+
+    fulltune: step=25/50 checkpoint_blocked_s=0.84 checkpoint_blocked_share=0.012
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def flops_per_token(config: Any, n_params: int, mean_sequence: float) -> float:
     return 6 * matmul_params + 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * mean_sequence
 
 
-FORMATS = {"loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}"}
+FORMATS = {"loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}", "checkpoint_blocked_s": "{:.2f}", "checkpoint_blocked_share": "{:.3f}"}
 
 
 def format_line(values: dict[str, Any]) -> str:
@@ -108,8 +111,9 @@ class Progress(TrainerCallback):
     tracking.MetricsCallback).
     """
 
-    def __init__(self, config: Any, n_params: int, sequences_per_step: int, cuda: bool):
+    def __init__(self, config: Any, n_params: int, sequences_per_step: int, cuda: bool, checkpoint_costs: Any = None):
         self.config, self.n_params, self.sequences_per_step, self.cuda = config, n_params, sequences_per_step, cuda
+        self.checkpoint_costs = checkpoint_costs  # checkpointing/saving.Costs: what each save blocked training
         self.peak = None
         if cuda:
             import torch
@@ -130,6 +134,14 @@ class Progress(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.step_started is not None:
             self.step_time += time.perf_counter() - self.step_started
+
+    def on_save(self, args, state, control, **kwargs):
+        """At each save: the seconds it blocked training and the share of the wall time blocked on checkpoints so far."""
+        costs = self.checkpoint_costs
+        if costs is None or not costs.blocked:
+            return
+        print(format_line({"step": f"{state.global_step}/{state.max_steps}", "checkpoint_blocked_s": costs.last, "checkpoint_blocked_share": costs.share}), flush=True)
+        tracking.log_metrics(costs.summary(), state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
