@@ -241,6 +241,7 @@ class CommitCheckpoints(TrainerCallback):
         self.every_seconds = every_minutes * 60
         self.saves = saving.Saves(pinned)
         self.last_save = time.monotonic()
+        self.saved_step: int | None = None  # the step `save_checkpoint` saved last (a plain Trainer never calls it)
 
     @property
     def costs(self) -> saving.Costs:
@@ -258,9 +259,23 @@ class CommitCheckpoints(TrainerCallback):
             shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             raise diverged(state.global_step, f"the weights hold NaN or infinite values ({shown or 'on another rank'}); that checkpoint is set aside in {target}", args.output_dir)
         saving.save(trainer, trial, self.saves, self._commit)
-        self.last_save = time.monotonic()
+        self.last_save, self.saved_step = time.monotonic(), state.global_step
         if trainer.control.should_training_stop:  # a stop, early stopping or the last step: committed before `on_save`
             self.wait_for_saves()
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        """A plain Trainer (not the job's) wrote `checkpoint-N` itself, synchronously: check and commit it here."""
+        if self.saved_step == state.global_step:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        bad = nonfinite_parameters(model) if model is not None else []
+        if ranks.any_rank(bool(bad)):
+            target = set_aside(folder, self.quarantine_dir or Volume(os.path.dirname(os.path.abspath(args.output_dir))).incomplete, "not-finite") if ranks.is_main() else folder
+            raise diverged(state.global_step, f"the weights hold NaN or infinite values; that checkpoint is set aside in {target}", args.output_dir)
+        ranks.barrier()
+        if ranks.is_main():
+            self._commit(folder, state.global_step, state.best_model_checkpoint)
+        ranks.barrier()
 
     def _commit(self, folder: str, step: int, best: str | None) -> None:
         """On the main rank, once every file of the checkpoint is written (in the background)."""
