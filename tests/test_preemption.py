@@ -215,3 +215,94 @@ def test_a_stop_while_the_training_process_starts_exits_76_without_touching_the_
     assert committed_steps(out) == []
     assert not out.exists() or not any(out.iterdir()), "nothing is written to the volume before the training process installs its handler"
     assert "exit 76: stopped by SIGTERM while starting" in termination_message(env)
+
+
+# -- Saves in the background (trainer/checkpointing/saving.py) -------------------------------------------
+
+
+def log_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.faults("SIGKILL during a background checkpoint write")
+def test_a_sigkill_during_a_background_write_leaves_a_save_the_restart_sets_aside_and_it_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
+    out, writing = tmp_path / "volume", tmp_path / "writing"
+    env = job_env(out, **STEPS)
+    log = tmp_path / "1.log"
+    job = subprocess.Popen(  # its own process group: a node loss kills every process of the job at once
+        [sys.executable, str(ROOT / "entrypoint.py")],
+        env=with_faults(env, slow_checkpoint_write=f"20:60:{writing}", **SLOW),
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=open(log, "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
+    wait_for(writing.exists, timeout=240, what="the background write of checkpoint 20")
+    # Training goes on while checkpoint 20 is written: it reaches the evaluation at step 30 before the save commits.
+    wait_for(lambda: any(line.startswith("fulltune: step=30/40 eval_loss=") for line in log_lines(log)), timeout=120, what="step 30")
+    assert 20 not in committed_steps(out) and committed_steps(out) == [10]
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+
+    result = run_job(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "checkpoint at step 20 was never committed (save cut short): moved to" in result.stdout
+    assert "resuming from" in result.stdout and "checkpoint-10" in result.stdout
+    assert list((out / "incomplete").glob("checkpoint-20.*"))
+    for name in ("checkpoints/checkpoint-40/model.safetensors", "final/model/model.safetensors"):
+        assert max_weight_difference(uninterrupted / name, out / name) <= 1e-5, name
+
+
+@pytest.mark.faults("SIGTERM while a checkpoint save is in flight")
+def test_a_sigterm_while_a_save_is_in_flight_commits_it_then_the_stop_step_and_exits_75(uninterrupted, tmp_path):
+    out, writing = tmp_path / "volume", tmp_path / "writing"
+    env = job_env(out, **STEPS)
+    log = tmp_path / "1.log"
+    job = start_job(with_faults(env, slow_checkpoint_write=f"20:4:{writing}", **SLOW), log)
+    wait_for(writing.exists, timeout=240, what="the background write of checkpoint 20")
+    stopped_at = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 75, log.read_text()
+    assert time.monotonic() - stopped_at < 15  # the 4 s write, then the stop's own save
+    committed = [line for line in log_lines(log) if line.startswith("fulltune: committed checkpoint at step")]
+    stop_step = max(committed_steps(out))
+    assert stop_step > 20 and 20 in committed_steps(out)
+    assert committed[-2:] == [f"fulltune: committed checkpoint at step {step}: {out / 'checkpoints' / f'checkpoint-{step}'}" for step in (20, stop_step)]
+    assert f"checkpoint at step {stop_step} committed" in log.read_text() and "exit 75" in termination_message(env)
+
+    result = run_job(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"checkpoint-{stop_step}" in result.stdout
+    assert max_weight_difference(uninterrupted / "final/model/model.safetensors", out / "final/model/model.safetensors") <= 1e-5
+
+
+@pytest.mark.faults("SIGTERM while a checkpoint save outlasts the stop deadline")
+def test_a_save_in_flight_that_outlasts_the_stop_deadline_exits_76_and_leaves_it_uncommitted(tmp_path):
+    out, writing = tmp_path / "volume", tmp_path / "writing"
+    env = job_env(out, **STEPS, FT_STOP_DEADLINE_SECONDS="2")
+    job = start_job(with_faults(env, slow_checkpoint_write=f"10:60:{writing}"), tmp_path / "1.log")
+    wait_for(writing.exists, timeout=240, what="the background write of checkpoint 10")
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == 76, (tmp_path / "1.log").read_text()
+    assert "stop deadline of 2 s passed" in termination_message(env)
+    assert committed_steps(out) == []
+
+
+def test_no_checkpoint_file_is_a_pickle_that_needs_more_than_weights_only(uninterrupted):
+    """Every file of every checkpoint is text (JSON, the tokenizer's), safetensors, or loads with weights_only=True
+    (numpy's array type allowed, as transformers allows it for the RNG states: trainer_pt_utils.safe_globals)."""
+    import torch
+    from safetensors import safe_open
+    from transformers.trainer_pt_utils import safe_globals
+
+    files = [p for p in (uninterrupted / "checkpoints").rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "commit.json"}
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                assert list(f.keys())
+        elif path.suffix in (".json", ".jinja", ".txt", ".md"):
+            path.read_text(encoding="utf-8")
+        else:
+            with safe_globals():
+                torch.load(path, weights_only=True)  # raises UnpicklingError for anything but tensors and plain containers

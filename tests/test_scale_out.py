@@ -138,16 +138,20 @@ def test_fsdp_shards_the_model_over_two_cpu_processes_and_trains_what_one_proces
     assert committed_steps(out) == [20, 40]
 
 
-def test_only_fsdp_on_cpu_processes_completes_accelerates_decision_gpu_jobs_train_with_trls_own_trainer():
-    """GPU jobs (and jobs without FSDP) never run the CPU completion: accelerate already honours FSDP there."""
+def test_only_fsdp_on_cpu_processes_completes_accelerates_decision_gpu_jobs_keep_accelerates_own():
+    """GPU jobs (and jobs without FSDP) never run the CPU completion: accelerate already honours FSDP there.  Every
+    job's class is TRL's SFTTrainer with the background checkpoint saves."""
     import trl
 
     from trainer.model import sharding
 
-    assert sharding.trainer_class(True, "fsdp") is trl.SFTTrainer
-    assert sharding.trainer_class(False, "ddp") is trl.SFTTrainer and sharding.trainer_class(False, "none") is trl.SFTTrainer
+    own = trl.SFTTrainer.create_accelerator_and_postprocess
+    for cuda, strategy in [(True, "fsdp"), (True, "ddp"), (False, "ddp"), (False, "none")]:
+        chosen = sharding.trainer_class(cuda, strategy)
+        assert issubclass(chosen, trl.SFTTrainer) and chosen.create_accelerator_and_postprocess is own, (cuda, strategy)
     on_cpu = sharding.trainer_class(False, "fsdp")
-    assert on_cpu is not trl.SFTTrainer and issubclass(on_cpu, trl.SFTTrainer) and sharding.trainer_class(False, "fsdp") is on_cpu
+    assert on_cpu.create_accelerator_and_postprocess is not own and issubclass(on_cpu, sharding.trainer_class(True, "fsdp"))
+    assert sharding.trainer_class(False, "fsdp") is on_cpu
 
 
 @pytest.mark.faults("an FSDP checkpoint resumed without FSDP")

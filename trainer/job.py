@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
-from trainer.checkpointing import diskfull, divergence, preemption
+from trainer.checkpointing import diskfull, divergence, preemption, saving
 from trainer.core import config as job_config
 from trainer.core import locations, ranks
 from trainer.core import settings as settings_table
@@ -121,7 +121,9 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
     eval_rows = recipe.eval_rows(settings, prepared.eval)
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
-    trainer = sharding.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer; under FSDP it shards on CPU processes too
+    refuse = divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete)  # a NaN save never counts
+    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda)
+    trainer = sharding.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer, saving in the background; under FSDP it shards on CPU processes too
         model=net,
         args=args,
         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
@@ -130,14 +132,13 @@ def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan:
         eval_dataset=eval_rows,
         processing_class=tokenizer,
         callbacks=[
-            divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete),  # before the commit: a NaN save never counts
-            checkpoints.CommitCheckpoints(settings.save_total_limit),
+            saver,
             *callbacks,
             *([sharding.ReportShards()] if plan.strategy == "fsdp" else []),
             *_sample_answers(config, tokenizer, prepared, plan, tracker),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             MetricsCallback(tracker),
-            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda),
+            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs),
             divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit),  # last: the diverged loss is logged and printed first
         ],
     )
@@ -255,6 +256,7 @@ def _print_plan(config: Config, prepared: data.Prepared, plan: memory.Plan) -> N
     per_rank = settings.batch_size * settings.gradient_accumulation_steps
     effective = per_rank * config.world_size
     ranks_line = f" x {config.world_size} processes ({plan.strategy})" if config.world_size > 1 else ""
+    by_time = f" or at the first evaluation {settings.save_every_minutes:g} min after the last" if settings.save_every_minutes else ""
     early = f" (stop after {settings.early_stopping_patience} without improvement)" if settings.early_stopping_patience else ""
     n_train, n_eval = len(prepared.train), len(prepared.eval) if prepared.eval is not None else 0
     print(
@@ -263,10 +265,21 @@ def _print_plan(config: Config, prepared: data.Prepared, plan: memory.Plan) -> N
         f"  {settings.max_steps} steps x effective batch {effective} ({settings.batch_size} x {settings.gradient_accumulation_steps} accumulation{ranks_line})"
         f" = {settings.max_steps * effective} sequences, {settings.max_steps * effective / max(n_train, 1):.2f} epochs,"
         f" up to {effective * settings.max_length} tokens per step\n"
-        f"  eval every {settings.eval_steps} steps{early}, checkpoint every {settings.save_steps} steps (keep {settings.save_total_limit} + best)"
-        f" in {Volume(settings.output_dir).checkpoints}",
+        f"  eval every {settings.eval_steps} steps{early}, checkpoint every {settings.save_steps} steps{by_time} (keep {settings.save_total_limit} + best)"
+        f" in {Volume(settings.output_dir).checkpoints}\n"
+        f"  {_checkpoint_cost(config, plan)}",
         flush=True,
     )
+
+
+def _checkpoint_cost(config: Config, plan: memory.Plan) -> str:
+    """The checkpoint's size and how long the volume takes to write it (measured now: 32 MiB, flushed)."""
+    n_params = model.parameter_count(model.read_config(config.settings))
+    size = config.precision.checkpoint_bytes * n_params
+    staging = memory.checkpoint_staging_bytes(config.precision, n_params, plan.strategy, config.world_size)
+    speed = saving.write_speed(Volume(config.settings.output_dir).checkpoints) if ranks.is_main() else None
+    write = f"~{size / speed:.1f} s at the volume's measured {speed / 1e9:.2f} GB/s" if speed else "write time unknown (the volume's speed could not be measured)"
+    return f"each checkpoint ~{size / 1e9:.2f} GB (weights + AdamW states), written in the background: {write}; host staging {staging / 1e9:.2f} GB per process"
 
 
 def main() -> int:

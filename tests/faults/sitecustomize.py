@@ -7,6 +7,9 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        PID 1), which forwards it: a stop that lands at a known step
   FAULT_KILL_BEFORE_COMMIT_AT_STEP=20  SIGKILL the training process after checkpoint 20's files are written,
                                        before its manifest is (provably inside the save)
+  FAULT_SLOW_CHECKPOINT_WRITE=20:30:<file>  the background write of checkpoint 20 writes <file> (its step) and sleeps 30 s
+                                       before writing the weights and optimizer states (a stop or a kill that lands
+                                       while a save is in flight, training going on)
   FAULT_FILL_VOLUME=<file>:<bytes>       fill the volume holding <file> with <file>, leaving <bytes> free (not the job's file:
                                        deleting it is making room), at the moment FAULT_FILL_VOLUME_AT says:
   FAULT_FILL_VOLUME_AT=4               after checkpoint 4 is committed; `final`: just before the final model is saved
@@ -76,6 +79,20 @@ def _kill_before_commit(module):
         return original(path, value)
 
     module.write_json = write_json
+
+
+def _slow_checkpoint_write(module):
+    step, seconds, marker = os.environ["FAULT_SLOW_CHECKPOINT_WRITE"].split(":", 2)
+    original = module.write_snapshot
+
+    def write_snapshot(trainer, folder, staged):
+        if os.path.basename(folder) == f"checkpoint-{step}":
+            with open(marker, "w") as f:
+                f.write(step)
+            time.sleep(float(seconds))
+        return original(trainer, folder, staged)
+
+    module.write_snapshot = write_snapshot
 
 
 def _fill_volume():
@@ -154,6 +171,7 @@ PATCHES = {  # module -> (variables, patch)
     "trainer.checkpointing.commits": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
     "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES",), _out_of_memory_above),
+    "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE",), _slow_checkpoint_write),
 }
 if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
     when = os.environ.get("FAULT_FILL_VOLUME_AT", "")

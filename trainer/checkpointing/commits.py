@@ -24,6 +24,7 @@ import time
 import xxhash
 from transformers import TrainerCallback
 
+from trainer.checkpointing import saving
 from trainer.core import ranks
 from trainer.core.files import write_json
 from trainer.core.permissions import follow_umask
@@ -184,18 +185,73 @@ def rotate(checkpoint_dir: str, keep: int, best: str | None) -> None:
 
 
 class CommitCheckpoints(TrainerCallback):
-    """After transformers writes `checkpoint-N` (and divergence.RefuseNonFiniteCheckpoint found its weights finite),
-    commit it, then apply our retention."""
+    """The job's checkpoint saves (checkpointing/saving.py takes the Trainer's `_save_checkpoint` over): check the
+    weights are finite, snapshot, then in the background write, commit and apply our retention.
 
-    def __init__(self, keep: int):
+    `every_minutes`: also save at the first evaluation step once that many minutes have passed since the last save.
+    """
+
+    def __init__(self, keep: int, refuse: TrainerCallback | None = None, every_minutes: float = 0.0, pinned: bool = False):
         self.keep = keep
+        self.refuse = refuse  # divergence.RefuseNonFiniteCheckpoint: a save whose weights are not finite never counts
+        self.every_seconds = every_minutes * 60
+        self.saves = saving.Saves(pinned)
+        self.last_save = time.monotonic()
+        self.saved_step: int | None = None  # the step `save_checkpoint` saved last (a plain Trainer never calls it)
 
-    def on_save(self, args, state, control, **kwargs):
+    @property
+    def costs(self) -> saving.Costs:
+        return self.saves.costs
+
+    def save_checkpoint(self, trainer, trial) -> None:
+        if self.refuse is not None:  # written whole in the foreground first, so that it can be set aside as it is
+            self.refuse.refuse(trainer.args, trainer.state, trainer.model, write=lambda: self._write_now(trainer, trial))
+        saving.save(trainer, trial, self.saves, self._commit)
+        self.last_save, self.saved_step = time.monotonic(), trainer.state.global_step
+        if trainer.control.should_training_stop:  # a stop, early stopping or the last step: committed before `on_save`
+            self.wait_for_saves()
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        """A plain Trainer (not the job's) wrote `checkpoint-N` itself, synchronously: check and commit it here."""
+        if self.saved_step == state.global_step:
+            return
+        if self.refuse is not None:
+            self.refuse.refuse(args, state, model)
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        ranks.barrier()  # every rank has written its part (its RNG state; its shards under FSDP)
-        if ranks.is_main():  # one manifest, written last, by one rank
-            commit(folder, state.global_step)
-            rotate(args.output_dir, self.keep, state.best_model_checkpoint)
-            print(f"fulltune: committed checkpoint at step {state.global_step}: {folder}", flush=True)
-        ranks.barrier()  # no rank goes on, or stops, before the checkpoint counts
+        ranks.barrier()
+        if ranks.is_main():
+            self._commit(folder, state.global_step, state.best_model_checkpoint)
+        ranks.barrier()
+
+    def _write_now(self, trainer, trial) -> None:
+        self.saves.wait()
+        saving.save(trainer, trial, self.saves, None, background=False)
+
+    def _commit(self, folder: str, step: int, best: str | None) -> None:
+        """On the main rank, once every file of the checkpoint is written (in the background)."""
+        commit(folder, step)
+        rotate(os.path.dirname(folder), self.keep, best)
+        self.saves.costs.bytes = committed_bytes(folder)
+        print(f"fulltune: committed checkpoint at step {step}: {folder}", flush=True)
+
+    def wait_for_saves(self) -> None:
+        """Every rank returns once the save in flight (on the main rank) is committed."""
+        self.saves.wait()
+        ranks.barrier()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.saves.costs.began = time.perf_counter()
+        self.last_save = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.every_seconds or control.should_save or state.global_step % args.eval_steps:
+            return control
+        # every rank decides alike (their clocks do not): the main rank's clock decides
+        if ranks.any_rank(ranks.is_main() and time.monotonic() - self.last_save >= self.every_seconds):
+            control.should_save = True
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.wait_for_saves()
+        self.saves.close()
 

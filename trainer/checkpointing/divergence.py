@@ -80,9 +80,16 @@ class RefuseNonFiniteCheckpoint(TrainerCallback):
         self.quarantine_dir = quarantine_dir  # None: the volume's incomplete/ beside args.output_dir
 
     def on_save(self, args, state, control, model=None, **kwargs):
+        """A plain Trainer's save (written before `on_save`); the job's saver calls `refuse` itself, before its snapshot."""
+        self.refuse(args, state, model)
+
+    def refuse(self, args, state, model, write=None) -> None:
+        """Exit 5 when the weights are not finite on any rank; `write`: first write the checkpoint whole, to set it aside."""
         bad = nonfinite_parameters(model) if model is not None else []
         if not ranks.any_rank(bool(bad)):  # every rank stops here, not only those whose shard holds the NaN
             return
+        if write is not None:
+            write()
         target = folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if ranks.is_main():
             target = commits.set_aside(folder, self.quarantine_dir or Volume(os.path.dirname(os.path.abspath(args.output_dir))).incomplete, "not-finite")

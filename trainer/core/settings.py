@@ -84,6 +84,7 @@ class Settings:
     eval_steps: int = setting(25, "Evaluate every N optimizer steps.", minimum=1, group="Evaluation and checkpoints")
     eval_batch_size: int = setting(1, "Sequences per evaluation forward pass.", minimum=1)
     save_steps: int = setting(25, "Commit a checkpoint every N optimizer steps. Must be a multiple of `FT_EVAL_STEPS` (the best model is chosen by eval loss at save time).", minimum=1)
+    save_every_minutes: float = setting(0.0, "Also commit a checkpoint at the first evaluation step (every `FT_EVAL_STEPS`) once this many minutes have passed since the last one, to bound the work a hard kill loses; 0 = by `FT_SAVE_STEPS` only. A stop signal saves anyway (docs/checkpoints.md says how to choose).", minimum=0.0)
     save_total_limit: int = setting(2, "Committed checkpoints to keep (the best one is kept as well).", minimum=1)
     early_stopping_patience: int = setting(0, "Stop training once eval loss has not improved for this many evaluations in a row (transformers' `EarlyStoppingCallback`), still exiting 0 with the best checkpoint as the final model; 0 = train all `FT_MAX_STEPS`.", minimum=0)
     eval_samples: int = setting(4, "Validation prompts the model answers greedily at step 0 and after every evaluation, the same ones each time (chosen with `FT_SEED`), written to `FT_OUTPUT_DIR/eval-samples.jsonl` and the MLflow run; 0 = none ([what they cost](performance.md#sample-answers)).", minimum=0)

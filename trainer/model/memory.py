@@ -223,8 +223,43 @@ def preflight(job: Config) -> Plan:
     disk = check_disk(settings, n_params, precision)
     if disk:
         problems.append(disk)
+    if host := check_host_memory(precision, n_params, chosen, cuda):
+        problems.append(host)
     if problems and settings.preflight == "fail":
         raise ConfigError("preflight: " + " ".join(problems))
     for problem in problems:
         print(f"fulltune: preflight warning: {problem}", flush=True)
     return chosen
+
+
+def checkpoint_staging_bytes(precision: Precision, n_params: int, strategy: str, processes: int) -> int:
+    """Host memory a process holds for the snapshot of an asynchronous checkpoint (trainer/checkpointing/saving.py):
+    its weights and AdamW states, copied once and reused from save to save.  Under FSDP each process stages its
+    own shard; otherwise the main process stages the whole state."""
+    whole = precision.checkpoint_bytes * n_params
+    return -(-whole // processes) if strategy == "fsdp" else whole
+
+
+def host_memory_bytes() -> int:
+    """The memory this container may use: its cgroup's limit when it has one, else the machine's."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="utf-8") as f:
+            limit = f.read().strip()
+        return min(machine, int(limit)) if limit.isdigit() else machine
+    except OSError:
+        return machine
+
+
+def check_host_memory(precision: Precision, n_params: int, chosen: Plan, cuda: bool) -> str | None:
+    """None when the host holds the checkpoint snapshot (and, on CPU, the training state itself), else the problem."""
+    staging = checkpoint_staging_bytes(precision, n_params, chosen.strategy, chosen.processes)
+    training = 0 if cuda else precision.training_bytes * n_params // (chosen.processes if chosen.strategy == "fsdp" else 1)
+    host = host_memory_bytes()
+    if staging + training <= host:
+        return None
+    on_cpu = f" and {training / GB:.1f} GB of training state (CPU)" if training else ""
+    return (
+        f"the host has {host / GB:.1f} GB of memory; each process needs {staging / GB:.1f} GB for the checkpoint snapshot{on_cpu}. "
+        "Give the container more memory, or shard the state over more processes (FT_DISTRIBUTED=fsdp)."
+    )

@@ -49,18 +49,39 @@ def honour_fsdp_on_cpu(trainer: Any) -> None:
 
 
 def trainer_class(cuda: bool, strategy: str) -> type:
-    """The job's trainer class: TRL's SFTTrainer, or under FSDP on CPU processes, one that completes accelerate's
-    decision (trl imported only when asked)."""
+    """The job's trainer class: TRL's SFTTrainer whose checkpoint saves the job's saver takes over (in the
+    background, trainer/checkpointing/saving.py); under FSDP on CPU processes, one that also completes accelerate's
+    decision.  GPU jobs keep accelerate's own FSDP path untouched.  trl is imported only when asked."""
+    return _cpu_fsdp_trainer() if strategy == "fsdp" and not cuda else _job_trainer()
+
+
+@functools.cache  # one class each: `type(trainer) is trainer_class(...)` holds, and each is built once
+def _job_trainer() -> type:
     from trl import SFTTrainer
 
-    return _cpu_fsdp_trainer() if strategy == "fsdp" and not cuda else SFTTrainer
+    class JobSFTTrainer(SFTTrainer):
+        # transformers 5.24 has no hook to replace how a checkpoint is written (only callbacks after it is): these two
+        # private methods are the narrowest place to snapshot the state and write it in the background.
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            """The job's saver (checkpointing/commits.py, a callback with `save_checkpoint`) takes the save over:
+            it snapshots the state and writes it in the background."""
+            saver = self._checkpoint_saver()
+            return saver.save_checkpoint(self, trial) if saver else super()._save_checkpoint(model, trial)
+
+        def _load_best_model(self) -> None:
+            if saver := self._checkpoint_saver():
+                saver.wait_for_saves()  # the best checkpoint may still be being written
+            super()._load_best_model()
+
+        def _checkpoint_saver(self) -> Any:
+            return next((cb for cb in self.callback_handler.callbacks if hasattr(cb, "save_checkpoint")), None)
+
+    return JobSFTTrainer
 
 
-@functools.cache  # one class: `type(trainer) is trainer_class(...)` holds, and it is built once
+@functools.cache
 def _cpu_fsdp_trainer() -> type:
-    from trl import SFTTrainer
-
-    class ShardedSFTTrainer(SFTTrainer):
+    class ShardedSFTTrainer(_job_trainer()):
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
             honour_fsdp_on_cpu(self)

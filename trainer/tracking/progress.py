@@ -10,6 +10,9 @@ not activation checkpointing's, nor the attention kernel's in its backward, nor 
 loss recomputes; tests/test_progress_flops.py holds it to torch's FlopCounterMode).  `mem_gb` is
 `torch.cuda.max_memory_allocated` on GPU and the peak RSS on CPU.  `eta_s` extrapolates the mean
 wall time per step so far, evaluations included.  Keys without a value on this device are left out.
+At each checkpoint save a line says what it cost (checkpointing/saving.py):
+
+    fulltune: step=25/50 checkpoint_blocked_s=0.84 checkpoint_blocked_share=0.012
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def flops_per_token(config: Any, n_params: int, mean_sequence: float) -> float:
     return 6 * matmul_params + 12 * s["layers"] * s["q"] * mean_sequence
 
 
-FORMATS = {"loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}"}
+FORMATS = {"loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}", "checkpoint_blocked_s": "{:.2f}", "checkpoint_blocked_share": "{:.3f}"}
 
 
 def format_line(values: dict[str, Any]) -> str:
@@ -71,8 +74,9 @@ class Progress(TrainerCallback):
     still prints its training loss.
     """
 
-    def __init__(self, tracker: Tracker, config: Any, n_params: int, sequences_per_step: int, cuda: bool):
+    def __init__(self, tracker: Tracker, config: Any, n_params: int, sequences_per_step: int, cuda: bool, checkpoint_costs: Any = None):
         self.tracker, self.config, self.n_params, self.sequences_per_step, self.cuda = tracker, config, n_params, sequences_per_step, cuda
+        self.checkpoint_costs = checkpoint_costs  # checkpointing/saving.Costs: what each save blocked training
         self.peak = None
         if cuda:
             import torch
@@ -95,6 +99,14 @@ class Progress(TrainerCallback):
             self.step_time += time.perf_counter() - self.step_started
         if state.global_step >= state.max_steps:
             control.should_log = True  # the Trainer logs every FT_LOGGING_STEPS only: the last loss would go unseen
+
+    def on_save(self, args, state, control, **kwargs):
+        """At each save: the seconds it blocked training and the share of the wall time blocked on checkpoints so far."""
+        costs = self.checkpoint_costs
+        if costs is None or not costs.blocked:
+            return
+        print(format_line({"step": f"{state.global_step}/{state.max_steps}", "checkpoint_blocked_s": costs.last, "checkpoint_blocked_share": costs.share}), flush=True)
+        self.tracker.log_metrics(costs.summary(), state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}

@@ -1,0 +1,155 @@
+"""What a checkpoint costs training: the job's synchronous save against its asynchronous one, and a short job with
+and without saves.
+
+    python bench/checkpoint_async.py state --out /tmp/ckbench [--hidden 1024 --layers 24 --saves 3]
+    python bench/checkpoint_async.py job --out /tmp/ckjob [--hidden 512 --layers 12 --steps 12 --every 2 --rounds 2]
+
+`state`: a random-init Qwen3 (0.3B parameters by default, fp32 weights + AdamW states after one step, as the job
+holds them) is saved, alternately, the way the job saved before (transformers' `_save_checkpoint`, then the commit:
+fsync, checksums, manifest; all while training waits) and the way it saves now (trainer/checkpointing/saving.py:
+training waits for the host snapshot only, the rest runs in the background).  Per save: seconds blocked, seconds
+in the background, bytes.
+
+`job`: the job itself (entrypoint.py) on a random-init model of that size with the demo's tokenizer and data, a
+save every `--every` steps against one save at the end, interleaved over `--rounds`; end-to-end wall seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def random_model(hidden: int, layers: int, vocab: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512), head_dim=128, tie_word_embeddings=True)
+    return Qwen3ForCausalLM(config)
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+
+
+def state(args: argparse.Namespace) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from trainer.checkpointing import commits, saving
+
+    shutil.rmtree(args.out, ignore_errors=True)
+    torch.manual_seed(0)
+    model = random_model(args.hidden, args.layers, 32000)
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3, 4] * 8] * 2, "labels": [[1, 2, 3, 4] * 8] * 2})
+    saver = commits.CommitCheckpoints(keep=100)
+    trainer = Trainer(
+        model=model, train_dataset=rows, callbacks=[saver],
+        args=TrainingArguments(output_dir=args.out, max_steps=1, save_strategy="no", per_device_train_batch_size=1, report_to=[], use_cpu=True, disable_tqdm=True),
+    )
+    trainer.train()  # one step: AdamW's states exist, as in the job
+    params = sum(p.numel() for p in model.parameters())
+    results: dict[str, list[tuple[float, float, int]]] = {"sync": [], "async": []}
+    for i in range(args.saves):
+        for kind in ("sync", "async"):  # interleaved: the machine's load changes under both alike
+            trainer.state.global_step = 10 * i + (1 if kind == "sync" else 2)
+            folder = os.path.join(args.out, f"checkpoint-{trainer.state.global_step}")
+            if kind == "sync":
+                began = time.perf_counter()
+                Trainer._save_checkpoint(trainer, trainer.model, None)  # transformers' own, as the job saved before
+                commits.commit(folder, trainer.state.global_step)
+                results[kind].append((time.perf_counter() - began, 0.0, folder_bytes(folder)))
+            else:
+                saving.save(trainer, None, saver.saves, saver._commit)
+                blocked = saver.costs.blocked[-1]
+                saver.saves.wait()
+                results[kind].append((blocked, saver.costs.background[-1], folder_bytes(folder)))
+            print(f"{kind} save {i + 1}: blocked {results[kind][-1][0]:.2f} s, background {results[kind][-1][1]:.2f} s, {results[kind][-1][2] / 1e9:.2f} GB", flush=True)
+            shutil.rmtree(folder)
+    saver.saves.close()
+    sync_blocked = statistics.median(r[0] for r in results["sync"])
+    async_blocked = statistics.median(r[0] for r in results["async"])
+    print(f"params_m={params / 1e6:.0f} checkpoint_gb={results['async'][0][2] / 1e9:.2f} load_avg={os.getloadavg()[0]:.1f}")
+    print(f"| save | blocked (s), median of {args.saves} | each | background (s) | bytes |")
+    print("|---|---|---|---|---|")
+    for kind, rows_ in results.items():
+        print(f"| {kind} | {statistics.median(r[0] for r in rows_):.2f} | {' · '.join(f'{r[0]:.2f}' for r in rows_)} | "
+              f"{statistics.median(r[1] for r in rows_):.2f} | {rows_[0][2]:,} |")
+    print(f"async blocks {async_blocked / sync_blocked:.1%} of the synchronous save's time")
+    shutil.rmtree(args.out, ignore_errors=True)
+
+
+def job(args: argparse.Namespace) -> None:
+    """The job on a random-init model with the demo's tokenizer and data; wall seconds with saves and without."""
+    from trainer.data import demo
+
+    os.makedirs(args.out, exist_ok=True)
+    assets = os.path.join(args.out, "assets")
+    demo.ensure_demo(assets)
+    model_dir = os.path.join(args.out, "model")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(assets, "demo", "model"))
+        model = random_model(args.hidden, args.layers, len(tokenizer))
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        params = sum(p.numel() for p in model.parameters())
+        print(f"model: {params / 1e6:.0f}M parameters, checkpoint ~{12 * params / 1e9:.2f} GB", flush=True)
+    common = {
+        "FT_MODEL": model_dir, "FT_DATASET": os.path.join(assets, "demo", "data", "train.jsonl"), "FT_MAX_STEPS": str(args.steps),
+        "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "2", "FT_MAX_LENGTH": "256", "FT_EVAL_STEPS": str(args.every),
+        "FT_EVAL_MAX_SAMPLES": "4", "FT_EVAL_SAMPLES": "0", "FT_LOGGING_STEPS": str(args.every), "FT_REGISTERED_MODEL": "",
+        "FT_SYSTEM_METRICS": "false", "FT_SAVE_TOTAL_LIMIT": "2", "FT_PLATFORM": "none",
+    }
+    walls: dict[str, list[float]] = {"saves": [], "none": []}
+    blocked: dict[str, list[str]] = {"saves": [], "none": []}
+    for round_ in range(args.rounds):
+        for kind in ("saves", "none"):
+            out = os.path.join(args.out, f"run-{kind}")
+            shutil.rmtree(out, ignore_errors=True)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("FT_")} | common | {
+                "FT_OUTPUT_DIR": out, "FT_SAVE_STEPS": str(args.every if kind == "saves" else args.steps), "MLFLOW_TRACKING_URI": ""}
+            began = time.perf_counter()
+            done = subprocess.run([sys.executable, os.path.join(ROOT, "entrypoint.py")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+            wall = time.perf_counter() - began
+            if done.returncode != 0:
+                raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
+            lines = [line for line in done.stdout.splitlines() if "checkpoint_blocked_share=" in line]
+            walls[kind].append(wall)
+            blocked[kind].append(lines[-1].split("checkpoint_blocked_share=")[1] if lines else "-")
+            print(f"round {round_ + 1} {kind}: {wall:.1f} s, blocked share {blocked[kind][-1]} (load {os.getloadavg()[0]:.1f})", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    print(f"| job ({args.steps} steps) | wall (s), each round | median | share of wall blocked on checkpoints (last save's line) |")
+    print("|---|---|---|---|")
+    for kind in walls:
+        label = f"a save every {args.every} steps" if kind == "saves" else "one save, at the end"
+        print(f"| {label} | {' · '.join(f'{w:.1f}' for w in walls[kind])} | {statistics.median(walls[kind]):.1f} | {' · '.join(blocked[kind])} |")
+    print(f"with saves / without: {statistics.median(walls['saves']) / statistics.median(walls['none']):.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=("state", "job"))
+    parser.add_argument("--out", default="/tmp/fulltune-async-bench")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    state(args) if args.what == "state" else job(args)
+
+
+if __name__ == "__main__":
+    main()

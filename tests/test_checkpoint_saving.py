@@ -1,0 +1,112 @@
+"""Saves in the background (trainer/checkpointing/saving.py): training waits for the snapshot only, the checkpoint
+counts once its background write is committed, and FT_SAVE_EVERY_MINUTES adds saves at evaluation steps."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import committed_steps
+from trainer.checkpointing import commits, saving
+from trainer.core import settings
+from trainer.core.errors import ConfigError
+
+
+@pytest.fixture
+def tiny_trainer(tmp_path):
+    """A plain Trainer on a tiny random Qwen3 after one optimizer step (AdamW's states exist)."""
+    import torch
+    from datasets import Dataset
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    net = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True))
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3, 4] * 4] * 2, "labels": [[1, 2, 3, 4] * 4] * 2})
+    saver = commits.CommitCheckpoints(keep=5)
+    out = tmp_path / "volume" / "checkpoints"
+    trainer = Trainer(model=net, train_dataset=rows, callbacks=[saver], args=TrainingArguments(
+        output_dir=str(out), max_steps=1, save_strategy="no", per_device_train_batch_size=1, report_to=[], use_cpu=True, disable_tqdm=True))
+    trainer.train()
+    return trainer, saver, tmp_path / "volume"
+
+
+def test_a_save_returns_before_its_slow_write_and_counts_only_once_committed(tiny_trainer, monkeypatch):
+    trainer, saver, volume = tiny_trainer
+    original = saving.write_snapshot
+
+    def slow(*args):
+        time.sleep(3)  # a slow volume
+        original(*args)
+
+    monkeypatch.setattr(saving, "write_snapshot", slow)
+    trainer.state.global_step = 7
+    began = time.perf_counter()
+    saving.save(trainer, None, saver.saves, saver._commit)
+    assert time.perf_counter() - began < 2.5  # training went on while the write was in flight
+    assert committed_steps(volume) == [] and saver.saves.in_flight
+    saver.saves.wait()
+    assert committed_steps(volume) == [7]
+    assert commits.damage(str(volume / "checkpoints" / "checkpoint-7")) is None
+    assert 0 < saver.costs.last < 2.5 and saver.costs.background[-1] >= 3
+    folder = volume / "checkpoints" / "checkpoint-7"
+    assert (folder / "training_args.json").exists() and not (folder / "training_args.bin").exists()
+
+
+def test_the_snapshot_is_the_state_at_the_save_not_after_it(tiny_trainer, monkeypatch):
+    """Weights changed while the write is in flight (the next optimizer steps) do not reach the checkpoint."""
+    import torch
+    from safetensors.torch import load_file
+
+    trainer, saver, volume = tiny_trainer
+    original = saving.write_snapshot
+    monkeypatch.setattr(saving, "write_snapshot", lambda *a: (time.sleep(1), original(*a)))
+    expected = trainer.model.model.embed_tokens.weight.detach().clone()
+    trainer.state.global_step = 3
+    saving.save(trainer, None, saver.saves, saver._commit)
+    with torch.no_grad():
+        trainer.model.model.embed_tokens.weight.add_(1.0)
+    saver.saves.wait()
+    saved = load_file(volume / "checkpoints" / "checkpoint-3" / "model.safetensors")
+    assert torch.equal(saved["model.embed_tokens.weight"], expected)
+
+
+def test_an_error_in_the_background_write_is_raised_at_the_next_wait(tiny_trainer, monkeypatch):
+    trainer, saver, volume = tiny_trainer
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saving, "write_snapshot", full)
+    trainer.state.global_step = 4
+    saving.save(trainer, None, saver.saves, saver._commit)
+    with pytest.raises(OSError, match="No space left"):
+        saver.saves.wait()
+    assert committed_steps(volume) == []
+
+
+def test_save_every_minutes_saves_at_the_first_evaluation_step_after_the_interval():
+    saver = commits.CommitCheckpoints(keep=2, every_minutes=1 / 60)  # one second
+    args = SimpleNamespace(eval_steps=5)
+
+    def due(step: int) -> bool:
+        control = SimpleNamespace(should_save=False)
+        saver.on_step_end(args, SimpleNamespace(global_step=step), control)
+        return control.should_save
+
+    saver.last_save = time.monotonic()
+    assert not due(5)  # the interval has not passed
+    saver.last_save -= 2
+    assert not due(6)  # passed, but not an evaluation step
+    assert due(10)
+    off = commits.CommitCheckpoints(keep=2)  # FT_SAVE_EVERY_MINUTES=0: by FT_SAVE_STEPS only
+    off.last_save -= 3600
+    control = SimpleNamespace(should_save=False)
+    off.on_step_end(args, SimpleNamespace(global_step=10), control)
+    assert not control.should_save
+
+
+def test_a_negative_save_interval_exits_2_naming_the_variable():
+    with pytest.raises(ConfigError, match="FT_SAVE_EVERY_MINUTES"):
+        settings.load({"FT_PLATFORM": "none", "FT_SAVE_EVERY_MINUTES": "-1"})

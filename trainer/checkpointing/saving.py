@@ -1,0 +1,202 @@
+"""Checkpoint saves that do not stall training: a snapshot in host memory, written and committed in the background.
+
+Training waits only while the state is copied into host memory: torch's checkpoint stager
+(`torch.distributed.checkpoint.staging.DefaultStager`, the one `dcp.async_save` uses; pinned buffers on a GPU,
+kept from one save to the next), plus the few small files (scheduler, RNG states, trainer state).  A background
+thread then writes the snapshot, flushes and checksums every file and writes `commit.json` last
+(checkpointing/commits.py).  At most one save is in flight: the next one first waits for it, and that wait is
+counted as time blocked.  A crash or SIGKILL in the background leaves a folder without a manifest, which the next
+start sets aside as it always did.
+
+Why this much of our own code: transformers 5.24 has no asynchronous save, and `dcp.async_save` writes DCP's own
+layout, which the Trainer's resume (exact, tests/test_preemption.py) and its best-model reload do not read.  So
+the snapshot is written in the Trainer's own layout by the Trainer's own writer (`Trainer._save` given the
+snapshot as its state dict: the weights as safetensors with the tied head dropped, the config, the tokenizer),
+and the optimizer snapshot with `torch.save` as `_save_optimizer_and_scheduler` would (loaded back with
+`weights_only=True`).  The rest of transformers' `_save_checkpoint` (best-model bookkeeping, trainer state) is
+repeated in `save` below.  Under FSDP the weights and optimizer states are gathered by accelerate, a
+collective every rank joins, so they are written in the foreground there; only their commit is in the background.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from trainer.core import ranks
+
+TRAINING_ARGS_JSON = "training_args.json"  # instead of transformers' training_args.bin, a pickle of the arguments
+PROBE_BYTES = 32 << 20  # written and flushed once at start to measure the volume: ~0.25 s at 0.125 GB/s
+
+
+@dataclasses.dataclass
+class Costs:
+    """What checkpoints cost the training loop, for the progress line, MLflow and the run report."""
+
+    began: float | None = None  # perf_counter at the start of training
+    blocked: list[float] = dataclasses.field(default_factory=list)  # seconds training waited, per save
+    waited: float = 0.0  # of those, seconds spent waiting for the previous save to finish
+    background: list[float] = dataclasses.field(default_factory=list)  # seconds each background write and commit took
+    bytes: int = 0  # of the last committed checkpoint
+
+    @property
+    def last(self) -> float:
+        return self.blocked[-1] if self.blocked else 0.0
+
+    @property
+    def share(self) -> float:
+        """Fraction of the wall time since training began spent blocked on checkpoints."""
+        elapsed = time.perf_counter() - self.began if self.began else 0.0
+        return sum(self.blocked) / elapsed if elapsed > 0 else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {"checkpoint_blocked_s": self.last, "checkpoint_blocked_total_s": sum(self.blocked), "checkpoint_blocked_share": self.share, "checkpoint_saves": len(self.blocked)}
+
+
+class Saves:
+    """One background save at a time, on one thread; its error is raised in the training thread at the next wait."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: Any = None
+        self._inflight: Future | None = None
+        self.costs = Costs()
+
+    def stage(self, state_dict: dict) -> dict:
+        """A copy of `state_dict` in host memory (its tensors copied, the rest deep-copied)."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Pinned host buffers, reused from save to save, and copies that overlap on a GPU; plain copies on CPU.
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=self.pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=self.pinned))
+        return self._stager.stage(state_dict)
+
+    def start(self, job: Callable[[], None]) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulltune-checkpoint")
+        began = time.perf_counter()
+
+        def timed() -> None:
+            job()
+            self.costs.background.append(time.perf_counter() - began)
+
+        self._inflight = self._executor.submit(timed)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def wait(self) -> float:
+        """Wait for the save in flight (re-raising what failed in it); the seconds waited."""
+        if self._inflight is None:
+            return 0.0
+        began = time.perf_counter()
+        inflight, self._inflight = self._inflight, None
+        inflight.result()
+        return time.perf_counter() - began
+
+    def close(self) -> None:
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def write_snapshot(trainer: Any, folder: str, staged: dict) -> None:
+    """Write the host snapshot in the Trainer's layout, with the Trainer's writer (see the module's docstring)."""
+    import torch
+    from transformers.trainer import OPTIMIZER_NAME, TRAINING_ARGS_NAME
+
+    trainer._save(folder, state_dict=staged["model"])
+    os.remove(os.path.join(folder, TRAINING_ARGS_NAME))  # a pickle: nothing resumes from it, and unpickling can run code
+    with open(os.path.join(folder, TRAINING_ARGS_JSON), "w", encoding="utf-8") as f:
+        f.write(trainer.args.to_json_string())
+    torch.save(staged["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
+
+
+def save(trainer: Any, trial: Any, saves: Saves, committed: Callable[[str, int, str | None], None] | None, background: bool = True) -> str:
+    """transformers' `_save_checkpoint`, blocking training only for the snapshot; returns the checkpoint folder.
+
+    `committed(folder, step, best)` runs on the main rank once every file is written (in the background unless
+    `background` is off); None: nothing commits this save (a save set aside).
+    """
+    import torch
+    from transformers.trainer import PREFIX_CHECKPOINT_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
+    from transformers.trainer_callback import ExportableState
+
+    began = time.perf_counter()
+    saves.costs.waited += saves.wait()  # at most one save in flight
+    args, state = trainer.args, trainer.state
+    trainer.store_flos()
+    run_dir = trainer._get_output_dir(trial=trial)
+    folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    staged = None
+    if trainer.is_fsdp_enabled:
+        trainer.save_model(folder, _internal_call=True)  # accelerate gathers on rank 0: every rank takes part
+        trainer._save_optimizer_and_scheduler(folder)
+        if args.should_save and os.path.exists(os.path.join(folder, "training_args.bin")):
+            os.remove(os.path.join(folder, "training_args.bin"))
+    elif args.should_save:
+        staged = saves.stage({"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()})
+        os.makedirs(folder, exist_ok=True)
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER_NAME))
+    ranks.barrier()  # the folder exists for every rank before the best checkpoint is looked up
+    if state.best_global_step:
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+        if os.path.exists(best):
+            state.best_model_checkpoint = best
+    trainer._save_scaler(folder)
+    trainer._save_rng_state(folder)
+    if args.should_save:
+        for callback in [cb for cb in trainer.callback_handler.callbacks + [trainer.control] if isinstance(cb, ExportableState)]:
+            name, exported = callback.__class__.__name__, callback.state()
+            if isinstance(state.stateful_callbacks[name], list):
+                state.stateful_callbacks[name].append(exported)
+            else:
+                state.stateful_callbacks[name] = exported
+        state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
+    ranks.barrier()  # every rank's own files (its RNG state, its shards under FSDP) are written
+
+    step, best = state.global_step, state.best_model_checkpoint
+
+    def finish() -> None:
+        if staged is not None:
+            write_snapshot(trainer, folder, staged)
+        if committed is not None and ranks.is_main():
+            committed(folder, step, best)
+
+    if background and ranks.is_main():
+        saves.start(finish)
+    else:
+        finish()
+    saves.costs.blocked.append(time.perf_counter() - began)
+    return folder
+
+
+def write_speed(folder: str) -> float | None:
+    """Bytes per second of a flushed write to `folder` (one 32 MiB file, removed); None when it cannot be measured."""
+    path = os.path.join(folder, ".write-speed-probe")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        began = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(os.urandom(1 << 20) * (PROBE_BYTES >> 20))
+            f.flush()
+            os.fsync(f.fileno())
+        seconds = time.perf_counter() - began
+        return PROBE_BYTES / seconds if seconds > 0 else None
+    except OSError:
+        return None
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
