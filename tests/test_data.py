@@ -246,3 +246,31 @@ def test_conversations_stored_as_json_strings_in_a_csv_column_are_decoded(tmp_pa
         writer.writerow(["messages"])
         writer.writerow([json.dumps(CHAT)])
     assert decoded(prepare(tmp_path, tmp_path / "train.csv"))[0].endswith("stone river apple<|im_end|>\n")
+
+
+def test_the_data_cache_is_reused_only_while_the_tokenizer_and_its_chat_template_stay_the_same(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    dataset = write_jsonl(tmp_path / "train.jsonl", conversations(8))
+    job = config(tmp_path, dataset)
+
+    def tokenized(tok) -> tuple[bool, list[list[int]]]:
+        prepared = data.prepare(job, tok)
+        reused = "reusing the checked, tokenized data" in capsys.readouterr().out
+        return reused, [list(row["input_ids"]) for row in prepared.train]
+
+    plain = AutoTokenizer.from_pretrained(demo_model())
+    reused, first = tokenized(plain)
+    assert not reused
+    assert tokenized(AutoTokenizer.from_pretrained(demo_model())) == (True, first)  # the same tokenizer, loaded again: the cache
+
+    other_vocabulary = AutoTokenizer.from_pretrained(demo_model())
+    other_vocabulary.add_tokens(["stone river"])
+    reused, rows = tokenized(other_vocabulary)
+    assert not reused and rows != first  # a new token splits the rows differently
+
+    tokenized(plain)  # the cache holds one entry: the plain tokenizer's again
+    other_template = AutoTokenizer.from_pretrained(demo_model())
+    other_template.chat_template = other_template.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    reused, rows = tokenized(other_template)
+    assert not reused and rows != first  # a cache hit here would train on the old template's tokens

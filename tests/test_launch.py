@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from trainer.launch import launcher as launch
 
 PROBE = "import os, torch; print(repr(os.environ.get('OMP_NUM_THREADS')), torch.get_num_threads())"
@@ -33,3 +35,30 @@ def test_without_omp_num_threads_the_training_process_keeps_torchs_default_threa
 def test_the_callers_omp_num_threads_reaches_the_training_process(monkeypatch):
     result = _training_process_sees(monkeypatch, "1")
     assert result.stdout.split() == ["'1'", "1"], result.stdout + result.stderr
+
+
+def _recorded(tmp_path, codes: dict[int, str]) -> str:
+    """The outcome folder as the local ranks leave it: one `rank.<local rank>` file each, holding its exit code."""
+    for rank, text in codes.items():
+        (tmp_path / f"rank.{rank}").write_text(text, encoding="utf-8")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("codes", "torchrun_code", "expected"),
+    [
+        ({}, 0, 0),  # nobody recorded: torchrun's own code
+        ({}, 1, 1),  # a worker killed before recording: torchrun says 1
+        ({0: "0", 1: "0"}, 0, 0),
+        ({0: "0", 1: "0"}, 1, 1),  # all recorded success but torchrun failed (e.g. a rank was killed after recording)
+        ({0: "5", 1: "0"}, 1, 5),  # rank 0's failure is the job's
+        ({0: "0", 1: "5"}, 1, 5),  # rank 0 succeeded, another failed: that one's
+        ({0: "2", 1: "5"}, 1, 2),  # both failed: rank 0's wins
+        ({0: "0", 1: "6", 2: "5"}, 1, 6),  # rank 0 succeeded: the lowest failing rank's
+        ({0: "0", 2: "5", 10: "6"}, 1, 5),  # ranks sort as numbers, not as text ("10" < "2")
+        ({0: "", 1: "0"}, 1, 1),  # an empty record is a failure (1), not a success
+        ({1: "75"}, 1, 75),  # rank 0 did not record, another did
+    ],
+)
+def test_the_job_exit_code_follows_local_rank_0_then_the_first_failing_rank_then_torchrun(tmp_path, codes, torchrun_code, expected):
+    assert launch._job_exit_code(_recorded(tmp_path, codes), torchrun_code) == expected

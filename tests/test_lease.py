@@ -102,7 +102,9 @@ def test_of_jobs_started_together_one_runs_the_others_exit_7_and_a_job_whose_lea
         started = time.monotonic()
         assert jobs[winner].wait(timeout=30) == 7, (tmp_path / f"{winner}.log").read_text()
         print(f"the job whose lease was taken over exited 7 after {time.monotonic() - started:.1f} s (FT_LEASE_SECONDS=3)")
-        assert time.monotonic() - started < 3
+        # Found at its next refresh (every FT_LEASE_SECONDS / 3 = 1 s), then the training process is ended without a save;
+        # the bound allows a loaded machine 10 s for that end, and still fails a job that waits out its training.
+        assert time.monotonic() - started < 3 / 3 + 10
         message = termination_message(envs[winner])
         assert "taken over by another job (host other-node, pid 4242, started 2030-01-01T00:00:00+00:00" in message and "stopped without saving" in message
         with pytest.raises(ProcessLookupError):

@@ -54,7 +54,6 @@ from trainer.core.files import write_json
 from trainer.core.volume import Volume
 
 POLL_SECONDS = 0.25  # how often a watched lease is read again: the delay added to an exit 7
-LOCK_STUCK_SECONDS = 10.0  # lease.lock is held for one small write; one older than this was left by a process that died holding it
 
 
 @contextlib.contextmanager
@@ -193,7 +192,7 @@ class Lease:
         """Remove the lease if it is still this job's, so that the next start takes it at once."""
         self._released.set()
         if self._refresher.is_alive():
-            self._refresher.join(timeout=LOCK_STUCK_SECONDS + 5)
+            self._refresher.join(timeout=self.seconds + 5)
         if self.lost is not None:
             return
         with contextlib.suppress(OSError), self._locked():
@@ -215,25 +214,47 @@ class Lease:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        since = time.monotonic()
+        """Hold lease.lock for one write.  A lock left behind is broken only when its holder is provably gone: it ran
+        in this pid namespace and its pid no longer exists, or the lock stayed the same for the whole lease period
+        (each write creates a new one with its own attempt and time).  Breaking on age alone would let two writers in
+        when the volume merely stalls."""
+        mine = json.dumps({"pid": os.getpid(), "attempt": self.record["attempt"], "at": time.monotonic(), **_this_pid_namespace()})
+        seen, since = None, time.monotonic()
         while True:
             try:
                 os.makedirs(os.path.dirname(self.lock), exist_ok=True)
-                os.close(os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-                break
+                fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileNotFoundError:  # the folder was removed by a job ending (release) between the two calls
                 continue
             except FileExistsError:
-                if time.monotonic() - since > LOCK_STUCK_SECONDS:
+                now = self._read_lock()
+                if now != seen:  # a new holder, or the first look: its lease period starts now
+                    seen, since = now, time.monotonic()
+                elif self._lock_holder_gone(_parse(now or "{}")) or time.monotonic() - since > self.seconds:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(self.lock)  # left by a process that died within its one write
-                    since = time.monotonic()
+                    seen = None
                 time.sleep(0.05)
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(mine)
+            break
         try:
             yield
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.lock)
+
+    def _lock_holder_gone(self, holder: dict[str, Any]) -> bool:
+        """Another thread of this job (the same attempt) is not gone; a process on this machine whose pid is gone is."""
+        return holder.get("attempt") != self.record["attempt"] and self._gone_from_this_machine(holder)
+
+    def _read_lock(self) -> str | None:
+        try:
+            with open(self.lock, encoding="utf-8") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
 
 
 def _parse(text: str) -> dict[str, Any]:
