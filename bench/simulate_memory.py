@@ -81,7 +81,8 @@ def batch(sequences: int, length: int, vocab: int) -> dict[str, Any]:
     ids = torch.randint(0, vocab, (1, total))
     bounds = Bounds(range(0, total + 1, length))
     positions = torch.arange(length).repeat(sequences).unsqueeze(0)
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions, "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": length, "max_length_k": length}
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions,
+            "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": length, "max_length_k": length}
 
 
 class PhaseTracker:
@@ -127,7 +128,8 @@ def quiet_module_peaks(tracker: Any) -> None:
     tracker._update_peak_stats = update_peak_stats
 
 
-def simulate(config: Any, *, precision: str = "bf16-mixed", sequences: int = 1, length: int = 2048, passes: int = 1, recompute: int = 1, processes: int = 1, fake: bool = True) -> dict[str, Any]:
+def simulate(config: Any, *, precision: str = "bf16-mixed", sequences: int = 1, length: int = 2048, passes: int = 1, recompute: int = 1,
+             processes: int = 1, fake: bool = True) -> dict[str, Any]:
     """Peak bytes by phase and component, and FLOPs, of one optimizer step; `recompute` as FT's `every_n_layers`
     (0 none, 1 every layer); `processes` > 1: one rank of FSDP2 over that many (a fake process group).
     `fake=False` runs the same step on real tensors: for small models, to check the fake accounting against it."""
@@ -206,7 +208,8 @@ def simulate(config: Any, *, precision: str = "bf16-mixed", sequences: int = 1, 
     retained = max((snap["Activation"] for snap in backward), default=0) if recompute else 0
     others = [snap["Total"] for name, snap in phases.phases.items() if not name.endswith("layers")]
     return {
-        "case": {"layers": config.num_hidden_layers, "precision": precision, "sequences": sequences, "length": length, "passes": passes, "recompute": recompute, "processes": processes},
+        "case": {"layers": config.num_hidden_layers, "precision": precision, "sequences": sequences, "length": length, "passes": passes,
+                 "recompute": recompute, "processes": processes},
         "phases": phases.phases,
         "peak_at": phases.where,
         "peak": max(p["Total"] for p in phases.phases.values()),
@@ -285,17 +288,20 @@ def table() -> str:
     from trainer.core.config import PRECISIONS
     from trainer.model import estimate
 
-    rows = ["| Case | Simulated peak, GB (MemTracker) | Without the recomputed tensors counted at the backward's end | Planned (no CUDA-only terms) | Error | Planned phase |", "|---|---|---|---|---|---|"]
+    rows = ["| Case | Simulated peak, GB (MemTracker) | Without the recomputed tensors counted at the backward's "
+            "end | Planned (no CUDA-only terms) | Error | Planned phase |", "|---|---|---|---|---|---|"]
     for name, path, precision, sequences, length, passes, every, processes in TABLE:
         config = qwen3_config(path)
         result = simulate(config, precision=precision, sequences=sequences, length=length, passes=passes, recompute=every, processes=processes)
         each = estimate.phases(
-            config, estimate.parameter_count(config), precision=PRECISIONS[precision], sequences_per_pass=sequences, passes_per_step=passes, max_length=length, checkpoint_every=every, shards=processes
+            config, estimate.parameter_count(config), precision=PRECISIONS[precision], sequences_per_pass=sequences, passes_per_step=passes,
+            max_length=length, checkpoint_every=every, shards=processes
         )
         planned = {phase: sum(v for k, v in parts.items() if k != "workspace") for phase, parts in each.items()}
         highest = max(planned, key=planned.get)
         rows.append(
-            f"| {name} | {result['peak'] / 1e9:.1f} | {result['planned_peak'] / 1e9:.1f} | {planned[highest] / 1e9:.1f} | {planned[highest] / result['planned_peak'] - 1:+.1%} | {highest} |"
+            f"| {name} | {result['peak'] / 1e9:.1f} | {result['planned_peak'] / 1e9:.1f} | "
+            f"{planned[highest] / 1e9:.1f} | {planned[highest] / result['planned_peak'] - 1:+.1%} | {highest} |"
         )
         print(rows[-1], file=sys.stderr, flush=True)
     return "\n".join(rows)
@@ -318,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table())
         return 0
     config = qwen3_config(args.config, args.layers)
-    result = simulate(config, precision=args.precision, sequences=args.sequences, length=args.length, passes=args.passes, recompute=args.recompute, processes=args.processes)
+    result = simulate(config, precision=args.precision, sequences=args.sequences, length=args.length, passes=args.passes,
+                      recompute=args.recompute, processes=args.processes)
     print(json.dumps(result) if args.json else describe(result))
     return 0
 

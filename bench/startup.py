@@ -48,7 +48,8 @@ TRACKING = r"start-up: tracking started|Started monitoring system metrics"  # th
 
 def run_job(root: str, volume: str, debug: bool) -> tuple[list[tuple[float, str]], int]:
     """The demo job's output lines with their arrival time (seconds since it was started)."""
-    env = dict(os.environ, FT_PRESET="demo", FT_OUTPUT_DIR=volume, FT_MAX_STEPS="2", FT_LOGGING_STEPS="1", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, FT_PRESET="demo", FT_OUTPUT_DIR=volume, FT_MAX_STEPS="2", FT_LOGGING_STEPS="1", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2",
+               PYTHONUNBUFFERED="1")
     env.pop("MLFLOW_TRACKING_URI", None)
     if debug:
         env["FT_LOG_LEVEL"] = "debug"
@@ -103,9 +104,11 @@ def main() -> int:
                 raise SystemExit(f"run {n} of {root}: the demo job exited {code}")
             found = stages(lines)
             chain = [stage for stage, _ in MARKERS]
-            ready = sum(seconds for stage, seconds in found.items() if stage in chain and chain.index(stage) <= chain.index(READY)) if READY in found else float("nan")
+            ready = (sum(seconds for stage, seconds in found.items() if stage in chain and chain.index(stage) <= chain.index(READY))
+                     if READY in found else float("nan"))
             runs[root].append({"load_avg": load, "import_floor_s": floor, "stages": found, "ready_s": ready, "everything_else_s": ready - floor})
-            print(f"{root} run {n} (load {load:.2f}): to 'starting from step' {ready:.2f} s, import floor {floor:.2f} s, everything else {ready - floor:.2f} s", flush=True)
+            print(f"{root} run {n} (load {load:.2f}): to 'starting from step' {ready:.2f} s, "
+                  f"import floor {floor:.2f} s, everything else {ready - floor:.2f} s", flush=True)
             for stage, seconds in found.items():
                 print(f"  {seconds:6.2f} s  {stage}", flush=True)
     for root, done in runs.items():

@@ -79,7 +79,8 @@ def build(work: str, rows: int, mean_tokens: int, gpu: bool, config_path: str, v
         shutil.copy(config_path, os.path.join(model_dir, "config.json"))  # the weights are built on the GPU (bench/child.py)
         from safetensors.torch import save_file
 
-        save_file({}, os.path.join(model_dir, "model.safetensors"), metadata={"note": "no weights: bench/child.py builds them on the GPU"})  # the job's trust check wants safetensors weights
+        # the job's trust check wants safetensors weights
+        save_file({}, os.path.join(model_dir, "model.safetensors"), metadata={"note": "no weights: bench/child.py builds them on the GPU"})
     else:
         torch.manual_seed(0)
         config = Qwen3Config(vocab_size=len(tok), max_position_embeddings=8 * mean_tokens, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,

@@ -75,7 +75,8 @@ def test_gpu_check_dry_run_runs_every_variant_on_cpu_and_the_stepdown_one_steps_
 
     from conftest import ROOT
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "MLFLOW_", "FAULT_"))} | {"PYTHON": sys.executable, "BENCH_WORK": str(tmp_path / "work")}
+    env = ({k: v for k, v in os.environ.items() if not k.startswith(("FT_", "MLFLOW_", "FAULT_"))}
+           | {"PYTHON": sys.executable, "BENCH_WORK": str(tmp_path / "work")})
     result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
@@ -85,5 +86,8 @@ def test_gpu_check_dry_run_runs_every_variant_on_cpu_and_the_stepdown_one_steps_
     assert "| | literal (one run) | fulltune (one run) | loop (one run) | padded (one run) | stepdown (one run) |" in log
     assert table["out-of-memory step-downs before it trained"][1:] == ["0", "0", "0", "2"]  # 8 x 1, recomputing 2 of 4 layers, then every layer: 4 x 2 fits
     assert float(table["peak memory planned (GB, the plan that trained)"][4]) > 0
-    assert table["attention (and its self-check)"][1:] == ["per-sequence SDPA loop (no CUDA: no self-check)", "per-sequence SDPA loop (chosen by the benchmark)", "sdpa", "per-sequence SDPA loop (no CUDA: no self-check)"]
+    assert table["attention (and its self-check)"][1:] == [
+        "per-sequence SDPA loop (no CUDA: no self-check)", "per-sequence SDPA loop (chosen by the benchmark)", "sdpa",
+        "per-sequence SDPA loop (no CUDA: no self-check)",
+    ]
     assert table["layout (seqs x passes), recomputation, padding-free"][4].startswith("4x2")

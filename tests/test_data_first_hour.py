@@ -14,14 +14,16 @@ GOOD = {"messages": CHAT}
 
 
 def test_a_json_line_cut_short_is_reported_at_pythons_column(tmp_path):
-    cut = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris is the capital of"}]})[:-20]
+    cut = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"},
+                                   {"role": "assistant", "content": "Paris is the capital of"}]})[:-20]
     try:
         json.loads(cut)
     except json.JSONDecodeError as error:
         column = error.colno  # where Python says it broke
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps(GOOD) + "\n" + cut + "\n")
-    with pytest.raises(DataError, match=rf"train.jsonl line 2: not valid JSON \(Unterminated string starting at: column {column}; the line has {len(cut)} characters\)"):
+    with pytest.raises(DataError, match=r"train.jsonl line 2: not valid JSON \(Unterminated string starting "
+                                        rf"at: column {column}; the line has {len(cut)} characters\)"):
         prepare(tmp_path, path)
     assert column > 1
 
@@ -54,7 +56,8 @@ def test_alpaca_rows_are_detected_and_trained_as_one_exchange(tmp_path, data_for
 
 def test_an_unknown_format_says_how_to_convert_and_still_leaves_the_data_report(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", [{"question": "q", "answer": "a"}])
-    with pytest.raises(DataError, match=r"unknown format: its columns \['answer', 'question'\] match none of .*'instruction' \+ 'output' \(Alpaca\).*convert each row to") as caught:
+    with pytest.raises(DataError, match=r"unknown format: its columns \['answer', 'question'\] match none of "
+                                        r".*'instruction' \+ 'output' \(Alpaca\).*convert each row to") as caught:
         prepare(tmp_path, path)
     assert "set FT_DATA_FORMAT" not in str(caught.value)  # no value of it reads these columns
     report = Volume(str(tmp_path / "out")).data_report
@@ -83,7 +86,8 @@ def test_an_assistant_turn_with_weight_0_carries_no_loss(tmp_path, loss_on):
 
 def test_a_weight_other_than_0_or_1_or_on_a_user_turn_is_a_bad_row(tmp_path):
     rows = [GOOD, {"messages": [USER, REPLY | {"weight": 0.5}]}, {"messages": [USER | {"weight": 0}, REPLY]}]
-    with pytest.raises(DataError, match=r"(?s)2 bad row\(s\).*line 2: messages\[1\]\.weight is 0\.5 \(assistant turn\); expected 0 \(not trained\) or 1") as caught:
+    with pytest.raises(DataError, match=r"(?s)2 bad row\(s\).*line 2: messages\[1\]\.weight is 0\.5 "
+                                        r"\(assistant turn\); expected 0 \(not trained\) or 1") as caught:
         prepare(tmp_path, write_jsonl(tmp_path / "train.jsonl", rows))
     assert "line 3: messages[0].weight is 0 (user turn)" in str(caught.value)
 
@@ -95,4 +99,5 @@ def test_validation_rows_that_repeat_training_rows_are_counted_and_warned_about(
     prepared = prepare(tmp_path, train, FT_EVAL_DATASET=str(evaluation))
     assert prepared.report["eval_repeats_train"] == 3
     assert "warning: 3 of 5 validation row(s) repeat a training row token for token" in capsys.readouterr().out
-    assert prepare(tmp_path, train, FT_EVAL_DATASET=str(write_jsonl(tmp_path / "other.jsonl", conversations(2, seed=99))), FT_DATA_CACHE="false").report["eval_repeats_train"] == 0
+    assert prepare(tmp_path, train, FT_EVAL_DATASET=str(write_jsonl(tmp_path / "other.jsonl", conversations(2, seed=99))),
+                   FT_DATA_CACHE="false").report["eval_repeats_train"] == 0

@@ -39,7 +39,8 @@ def test_owner_slash_name_beside_a_local_folder_of_that_owner_is_a_local_path(tm
     (tmp_path / "mydata" / "valid.jsonl").write_text("{}\n")
     assert not locations.is_hub_id("mydata/train", data=True)
     why = locations.missing("FT_DATASET", "mydata/train", data=True)
-    assert why == f"FT_DATASET='mydata/train': no such local file or folder ({tmp_path}/mydata/train; {tmp_path}/mydata holds valid.jsonl); fix the path or mount the volume that holds it"
+    assert why == (f"FT_DATASET='mydata/train': no such local file or folder ({tmp_path}/mydata/train; "
+                   f"{tmp_path}/mydata holds valid.jsonl); fix the path or mount the volume that holds it")
     (tmp_path / "Qwen").mkdir()
     assert not locations.is_hub_id("Qwen/Qwen3-4B")  # a folder named like the owner makes it local: say so rather than download
 

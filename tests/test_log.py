@@ -115,7 +115,8 @@ def test_the_log_has_no_library_info_line_and_ends_on_a_summary_of_the_run(demo_
 
 @pytest.mark.slow  # the demo job, 3 steps, in a subprocess
 def test_log_level_debug_shows_the_libraries_lines_and_a_run_shorter_than_the_logging_steps_prints_its_loss(tmp_path):
-    env = job_env(tmp_path / "volume", FT_PRESET="demo", FT_MAX_STEPS="3", FT_LOGGING_STEPS="10", FT_EVAL_STEPS="3", FT_SAVE_STEPS="3", FT_REGISTERED_MODEL="", FT_LOG_LEVEL="debug")
+    env = job_env(tmp_path / "volume", FT_PRESET="demo", FT_MAX_STEPS="3", FT_LOGGING_STEPS="10", FT_EVAL_STEPS="3", FT_SAVE_STEPS="3",
+                  FT_REGISTERED_MODEL="", FT_LOG_LEVEL="debug")
     result = run_job(env)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log

@@ -200,7 +200,8 @@ def test_a_model_too_big_for_one_gpu_is_told_how_many_gpus_fit_it_and_they_do(tm
     assert any(fix.startswith("FT_NUM_PROCESSES=4 (FSDP across 4 GPUs") for fix in memory._fixes(config, n, settings, mixed, capacity, 1))
     four = memory.plan(config, n, settings, mixed, capacity, "auto", 4)
     assert (four.strategy, four.processes) == ("fsdp", 4) and four.fits
-    layout = {"sequences_per_pass": four.sequences_per_pass, "passes_per_step": four.passes_per_step, "max_length": settings.max_length, "checkpoint_every": four.checkpoint_every}
+    layout = {"sequences_per_pass": four.sequences_per_pass, "passes_per_step": four.passes_per_step,
+              "max_length": settings.max_length, "checkpoint_every": four.checkpoint_every}
     update = memory.phases(config, n, precision=mixed, shards=4, **layout)["optimizer"]
     assert update["weights"] + update["gradients"] + update["optimizer"] == pytest.approx(16 * n / 4)
     assert not memory.plan(config, n, settings, mixed, capacity, "auto", 2).fits  # 2 shards are not enough: 4 is the smallest

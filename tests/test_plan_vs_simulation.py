@@ -32,7 +32,8 @@ CASES = {  # name: precision, sequences, length, passes, every n-th layer recomp
 
 def planned(config, precision, sequences, length, passes, every, processes=1):
     each = memory.phases(
-        config, memory.parameter_count(config), precision=PRECISIONS[precision], sequences_per_pass=sequences, passes_per_step=passes, max_length=length, checkpoint_every=every, shards=processes
+        config, memory.parameter_count(config), precision=PRECISIONS[precision], sequences_per_pass=sequences, passes_per_step=passes,
+        max_length=length, checkpoint_every=every, shards=processes
     )
     return {name: sum(v for k, v in parts.items() if k != "workspace") for name, parts in each.items()}
 
@@ -66,7 +67,8 @@ def test_each_layer_adds_the_planned_saved_activations_and_bf16_copy():
     """From 2 to 4 layers without recomputation, the forward's peak grows by two layers' saved tensors (216 KB a token
     for Qwen3-4B in bf16) and two layers' bf16 weight copies, as the plan counts them."""
     small, large = (simulate_memory.qwen3_config(simulate_memory.DEFAULT_CONFIG, layers=n) for n in (2, 4))
-    grown = simulated(large, "bf16-mixed", 1, 2048, 1, 0)["phases"]["forward 1"]["Activation"] - simulated(small, "bf16-mixed", 1, 2048, 1, 0)["phases"]["forward 1"]["Activation"]
+    grown = (simulated(large, "bf16-mixed", 1, 2048, 1, 0)["phases"]["forward 1"]["Activation"]
+             - simulated(small, "bf16-mixed", 1, 2048, 1, 0)["phases"]["forward 1"]["Activation"])
     s = estimate.shape(large)
     layer_params = (memory.parameter_count(large) - memory.parameter_count(small)) / 2
     per_layer = 2048 * estimate.layer_bytes_per_token(s, 2) + 2 * layer_params

@@ -30,7 +30,8 @@ def test_flops_per_token_is_what_flop_counter_mode_counts_for_a_step_without_rec
     from transformers import Qwen3Config
 
     config = Qwen3Config(
-        vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=tied
+        vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        tie_word_embeddings=tied
     )
     config._attn_implementation = "eager"  # its matmuls, all S x S scores, are what FlopCounterMode sees
     counted, n = _counted(config, 512)

@@ -18,7 +18,8 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 ranks._flags = dist.new_group(backend="gloo")  # as ranks.start makes it
 exchange, flagged_from = ranks.AnyRank(), int(sys.argv[1])
 seen = [exchange.exchange(ranks.world_size() > 1 and int(os.environ["RANK"]) == 1 and step >= flagged_from) for step in range(5)]
-print("SEEN " + json.dumps({"rank": int(os.environ["RANK"]), "seen": seen, "after_last": exchange.settle(), "blocking": ranks.any_rank(int(os.environ["RANK"]) == 0)}), flush=True)
+print("SEEN " + json.dumps({"rank": int(os.environ["RANK"]), "seen": seen, "after_last": exchange.settle(),
+                            "blocking": ranks.any_rank(int(os.environ["RANK"]) == 0)}), flush=True)
 """
 
 

@@ -143,7 +143,8 @@ def serve_command(model: str, *options: str) -> list[str]:
 
 
 def serving_env(out: Path, **extra: str) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {"MLFLOW_TRACKING_URI": f"sqlite:///{out}/mlflow/mlflow.db", "HF_HUB_OFFLINE": "1"} | extra
+    return ({k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+            | {"MLFLOW_TRACKING_URI": f"sqlite:///{out}/mlflow/mlflow.db", "HF_HUB_OFFLINE": "1"} | extra)
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +242,8 @@ def test_a_client_asking_for_another_model_gets_400_naming_the_served_one(openai
 def test_serving_what_cannot_be_served_exits_2_saying_what_to_give_and_a_registry_not_answering_exits_1_without_its_password(demo_job_run, tmp_path):
     out, _ = demo_job_run
     cases = (
-        (f"models:/{DEMO_NAME}/7", f"models:/{DEMO_NAME}/7: Model Version (name={DEMO_NAME}, version=7) not found", "the job registers models:/<FT_REGISTERED_MODEL>/<version>"),
+        (f"models:/{DEMO_NAME}/7", f"models:/{DEMO_NAME}/7: Model Version (name={DEMO_NAME}, version=7) not found",
+         "the job registers models:/<FT_REGISTERED_MODEL>/<version>"),
         (str(tmp_path), f"{tmp_path}: {tmp_path} has no config.json", "give the job's final/ or final/model/ folder"),
     )
     for model, says, fix in cases:
@@ -260,5 +262,6 @@ def test_serving_what_cannot_be_served_exits_2_saying_what_to_give_and_a_registr
 def test_final_model_is_a_plain_transformers_folder_with_what_vllm_reads_and_nothing_of_mlflow(demo_job_run):
     out, _ = demo_job_run
     folder = out / "final" / "model"
-    assert sorted(p.name for p in folder.iterdir()) == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+                                                        "tokenizer.json", "tokenizer_config.json"]
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]  # the class vLLM maps to its own

@@ -16,7 +16,8 @@ import simulate_memory  # noqa: E402
 def _small(layers: int):
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+    return Qwen3Config(vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, tie_word_embeddings=True)
 
 
 @pytest.mark.parametrize("recompute", [0, 1])

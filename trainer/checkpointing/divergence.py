@@ -94,4 +94,5 @@ class RefuseNonFiniteCheckpoint(TrainerCallback):
         if ranks.is_main():
             target = commits.set_aside(folder, self.quarantine_dir or Volume(os.path.dirname(os.path.abspath(args.output_dir))).incomplete, "not-finite")
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise diverged(state.global_step, f"the weights hold NaN or infinite values ({shown or 'on another rank'}); that checkpoint is set aside in {target}", args.output_dir)
+        raise diverged(state.global_step, f"the weights hold NaN or infinite values ({shown or 'on another rank'}); "
+                                          f"that checkpoint is set aside in {target}", args.output_dir)

@@ -103,7 +103,8 @@ def end_with_the_launcher(every_seconds: float = 1.0) -> None:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                print(f"fulltune: the launcher (entrypoint.py, pid {pid}) is gone: stopping without saving, so that no other job finds this one still writing the volume", file=sys.stderr, flush=True)
+                print(f"fulltune: the launcher (entrypoint.py, pid {pid}) is gone: stopping without saving, so "
+                      "that no other job finds this one still writing the volume", file=sys.stderr, flush=True)
                 os._exit(1)
             except PermissionError:  # alive, under another uid
                 pass

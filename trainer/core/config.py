@@ -123,7 +123,8 @@ class Config:
         return {f"FT_{name.upper()}": str(value) for name, value in values.items()} | {"precision": self.precision.name, "world_size": str(self.world_size)}
 
     def to_json(self) -> str:
-        return json.dumps({"settings": dataclasses.asdict(self.settings), "cuda": self.cuda, "precision": self.precision.name, "processes_per_node": self.processes_per_node})
+        return json.dumps({"settings": dataclasses.asdict(self.settings), "cuda": self.cuda, "precision": self.precision.name,
+                           "processes_per_node": self.processes_per_node})
 
     @classmethod
     def from_json(cls, text: str) -> Config:
@@ -157,7 +158,8 @@ def check_device_levers(settings: Settings, cuda: bool) -> None:
     import importlib.util
 
     if importlib.util.find_spec("liger_kernel") is None:
-        raise ConfigError("FT_LIGER=true needs the liger-kernel package, which this image lacks; pip install liger-kernel in a derived image, or unset FT_LIGER")
+        raise ConfigError("FT_LIGER=true needs the liger-kernel package, which this image lacks; "
+                          "pip install liger-kernel in a derived image, or unset FT_LIGER")
 
 
 def handed_over(environ: Mapping[str, str] | None = None) -> Config:
@@ -194,7 +196,8 @@ def check_fingerprint(config: Config) -> None:
 def fingerprint_differences(config: Config) -> list[str]:
     """Each setting that changes the result and differs from what the volume's checkpoints (or final model) were made with."""
     current, recorded = config.fingerprint(), read_json(Volume(config.settings.output_dir).fingerprint_file) or {}
-    return [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now" for k in {**recorded, **current} if recorded and recorded.get(k) != current.get(k)]
+    return [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now"
+            for k in {**recorded, **current} if recorded and recorded.get(k) != current.get(k)]
 
 
 def check_finished_job(config: Config) -> None:

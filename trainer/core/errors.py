@@ -9,16 +9,43 @@ the code each rank leaves for the launcher) is trainer/core/ending.py's.
 from __future__ import annotations
 
 EXIT_CODES = {
-    0: "Success: the model is saved, registered (unless FT_REGISTERED_MODEL is empty), and the run is finished; also a re-run of a job that already finished with the same settings (nothing runs again).",
-    1: "Unexpected failure: a bug or an infrastructure fault (printed with a traceback), or, within seconds, before anything is downloaded or written and without a traceback: the Hugging Face hub not answering for a hub id in FT_MODEL, FT_DATASET or FT_EVAL_DATASET (the message says how to run offline), or the MLflow server in MLFLOW_TRACKING_URI not answering at start; or, with several processes, one that ran out of GPU memory and recorded the next plan down (the retry starts there). A retry may help; it resumes from the last committed checkpoint.",
-    2: "Bad configuration or input, found before training, no traceback: an invalid or unknown FT_* value, a misspelled (\"did you mean\") or lowercase name (all reported together, within a second); a local FT_MODEL or FT_DATASET that does not exist, or a hub id that is neither cached under HF_HUB_OFFLINE=1 nor on the hub; a volume whose job already finished, re-run with settings that change the result; a choice this machine cannot run (FT_PRECISION=bf16-mixed or bf16-sr without a bf16 GPU, FT_LIGER without a GPU or liger-kernel); a model without a readable config or weights; pickle-only weights without FT_ALLOW_PICKLE_WEIGHTS; a model that needs its own code without FT_TRUST_REMOTE_CODE; a preflight that does not fit GPU memory or the volume (FT_PREFLIGHT=fail); data that cannot be read or has bad rows (FT_BAD_ROWS=fail); a chat template FT_LOSS_ON=assistant cannot mask; checkpoints on the volume from another configuration, or written under FSDP for a job without it (or the reverse); an MLflow URI this MLflow cannot use; a training process started without entrypoint.py; `entrypoint.py plan` for a job that does not fit the card. A retry cannot help: fix the named variable, file or row.",
-    3: "The model was trained and saved, but registration in MLflow failed, or the MLflow server did not answer at the end within FT_REGISTRATION_RETRY_SECONDS (the message says where the model is; metrics not sent are kept on the volume). A retry skips training: it sends what was kept, registers and finishes the run.",
-    4: "Out of GPU memory while training at the smallest plan the settings allow, no traceback: the job first steps down by itself (more passes per step, more recomputation) and records the plan that fits on the volume. The message gives the measured peak, the plan and what to change (FT_MAX_LENGTH, FT_PRECISION=bf16-sr, FT_NUM_PROCESSES with FSDP, ...). A retry with the same settings cannot help.",
-    5: "Training diverged: the logged loss was NaN, infinite or above FT_LOSS_LIMIT for FT_DIVERGENCE_PATIENCE logging steps in a row, or a checkpoint's weights were not finite (that checkpoint is set aside in incomplete/, never committed). Nothing is registered and no final model is saved. A retry with the same settings cannot help: the message names the step and the last good checkpoint; lower FT_LEARNING_RATE, then resume it with FT_ALLOW_CONFIG_CHANGE=true or use a new FT_OUTPUT_DIR.",
-    6: "Volume full: a checkpoint, the final model or another file could not be written to FT_OUTPUT_DIR (no space left, or over quota), no traceback. The message names the volume, its free bytes and about how many the save needed. Every committed checkpoint is kept; a checkpoint cut short is set aside in incomplete/. A retry with the same volume fails again: free space on it (or mount a bigger one), then retry: it resumes from the last committed checkpoint.",
-    7: "Another job holds this volume's lease: a job started on an FT_OUTPUT_DIR where another job is running (its lease, .fulltune/lease.json, is refreshed every FT_LEASE_SECONDS / 3) exits within about that time, before anything is written, no traceback; the message names the other job's host, pid and start time. Also a running job whose lease another job took over after it went FT_LEASE_SECONDS without refreshing it (a stalled volume or a network partition): it stops at once without saving. A retry helps once the other job has ended (its lease is released) or stopped refreshing for FT_LEASE_SECONDS (it is then taken over); or use another FT_OUTPUT_DIR.",
+    0: "Success: the model is saved, registered (unless FT_REGISTERED_MODEL is empty), and the run is "
+       "finished; also a re-run of a job that already finished with the same settings (nothing runs again).",
+    1: "Unexpected failure: a bug or an infrastructure fault (printed with a traceback), or, within seconds, before anything is downloaded or "
+       "written and without a traceback: the Hugging Face hub not answering for a hub id in FT_MODEL, FT_DATASET or FT_EVAL_DATASET (the message "
+       "says how to run offline), or the MLflow server in MLFLOW_TRACKING_URI not answering at start; or, with several processes, one that ran out "
+       "of GPU memory and recorded the next plan down (the retry starts there). A retry may help; it resumes from the last committed checkpoint.",
+    2: "Bad configuration or input, found before training, no traceback: an invalid or unknown FT_* value, a misspelled (\"did you mean\") or "
+       "lowercase name (all reported together, within a second); a local FT_MODEL or FT_DATASET that does not exist, or a hub id that is neither "
+       "cached under HF_HUB_OFFLINE=1 nor on the hub; a volume whose job already finished, re-run with settings that change the result; a choice "
+       "this machine cannot run (FT_PRECISION=bf16-mixed or bf16-sr without a bf16 GPU, FT_LIGER without a GPU or liger-kernel); a model without "
+       "a readable config or weights; pickle-only weights without FT_ALLOW_PICKLE_WEIGHTS; a model that needs its own code without "
+       "FT_TRUST_REMOTE_CODE; a preflight that does not fit GPU memory or the volume (FT_PREFLIGHT=fail); data that cannot be read or has bad "
+       "rows (FT_BAD_ROWS=fail); a chat template FT_LOSS_ON=assistant cannot mask; checkpoints on the volume from another configuration, or "
+       "written under FSDP for a job without it (or the reverse); an MLflow URI this MLflow cannot use; a training process started without "
+       "entrypoint.py; `entrypoint.py plan` for a job that does not fit the card. A retry cannot help: fix the named variable, file or row.",
+    3: "The model was trained and saved, but registration in MLflow failed, or the MLflow server did not answer "
+       "at the end within FT_REGISTRATION_RETRY_SECONDS (the message says where the model is; metrics not sent "
+       "are kept on the volume). A retry skips training: it sends what was kept, registers and finishes the run.",
+    4: "Out of GPU memory while training at the smallest plan the settings allow, no traceback: the job first steps down by itself (more "
+       "passes per step, more recomputation) and records the plan that fits on the volume. The message gives the measured peak, the plan and "
+       "what to change (FT_MAX_LENGTH, FT_PRECISION=bf16-sr, FT_NUM_PROCESSES with FSDP, ...). A retry with the same settings cannot help.",
+    5: "Training diverged: the logged loss was NaN, infinite or above FT_LOSS_LIMIT for FT_DIVERGENCE_PATIENCE logging steps in a "
+       "row, or a checkpoint's weights were not finite (that checkpoint is set aside in incomplete/, never committed). Nothing is "
+       "registered and no final model is saved. A retry with the same settings cannot help: the message names the step and the "
+       "last good checkpoint; lower FT_LEARNING_RATE, then resume it with FT_ALLOW_CONFIG_CHANGE=true or use a new FT_OUTPUT_DIR.",
+    6: "Volume full: a checkpoint, the final model or another file could not be written to FT_OUTPUT_DIR (no space left, or "
+       "over quota), no traceback. The message names the volume, its free bytes and about how many the save needed. Every "
+       "committed checkpoint is kept; a checkpoint cut short is set aside in incomplete/. A retry with the same volume "
+       "fails again: free space on it (or mount a bigger one), then retry: it resumes from the last committed checkpoint.",
+    7: "Another job holds this volume's lease: a job started on an FT_OUTPUT_DIR where another job is running (its lease, .fulltune/lease.json, "
+       "is refreshed every FT_LEASE_SECONDS / 3) exits within about that time, before anything is written, no traceback; the message names the "
+       "other job's host, pid and start time. Also a running job whose lease another job took over after it went FT_LEASE_SECONDS without "
+       "refreshing it (a stalled volume or a network partition): it stops at once without saving. A retry helps once the other job has ended "
+       "(its lease is released) or stopped refreshing for FT_LEASE_SECONDS (it is then taken over); or use another FT_OUTPUT_DIR.",
     75: "Stopped by SIGTERM/SIGINT after committing a checkpoint (a second signal after the commit ends the job at once, still 75). A retry resumes from it.",
-    76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while the training process was starting. A retry resumes from the previous committed checkpoint.",
+    76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while "
+        "the training process was starting. A retry resumes from the previous committed checkpoint.",
 }
 
 

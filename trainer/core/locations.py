@@ -59,7 +59,8 @@ def missing(variable: str, spec: str, *, data: bool = False) -> str | None:
         if data or os.path.isdir(path):
             return None
         return f"{variable}={spec!r} is a file; expected a folder with config.json and *.safetensors (or a hub id)"
-    return f"{variable}={spec!r}: no such local {'file or folder' if data else 'folder'} ({path}{_nearest(path)}); fix the path or mount the volume that holds it"
+    return (f"{variable}={spec!r}: no such local {'file or folder' if data else 'folder'} "
+            f"({path}{_nearest(path)}); fix the path or mount the volume that holds it")
 
 
 def check(settings: Settings) -> None:

@@ -46,7 +46,8 @@ def start(config: Any) -> None:
     if len(set(ours)) > 1:
         differ = [rank for rank, digest in enumerate(ours) if digest != ours[0]]
         raise ConfigError(
-            f"ranks {differ} run with other FT_* settings than rank 0: give every node the same settings (only FT_NODE_RANK and FT_TERMINATION_MESSAGE_PATH may differ)"
+            f"ranks {differ} run with other FT_* settings than rank 0: give every node the "
+            "same settings (only FT_NODE_RANK and FT_TERMINATION_MESSAGE_PATH may differ)"
         )
 
 

@@ -51,23 +51,41 @@ class Settings:
     """The effective `FT_*` configuration of one job, parsed and validated from the environment."""
 
     # -- What to train -------------------------------------------------------------------------------
-    preset: Literal["none", "demo"] = setting("none", "`demo` builds a tiny Qwen3 model, tokenizer and chat dataset under `FT_OUTPUT_DIR/demo` (offline, deterministic) and trains on them; any explicit `FT_*` still wins.", group="What to train")
+    preset: Literal["none", "demo"] = setting("none", "`demo` builds a tiny Qwen3 model, tokenizer and chat dataset under `FT_OUTPUT_DIR/demo` (offline, "
+                                                      "deterministic) and trains on them; any explicit `FT_*` still wins.", group="What to train")
     model: str = setting("Qwen/Qwen3-4B", "Base model: a Hugging Face hub id or a local folder with `config.json`.", changes="data")
     model_revision: str = setting("", "Hub revision (branch, tag or commit) to pin; empty = the default branch.", changes="data")
-    trust_remote_code: bool = setting(False, "Run Python code shipped with the model or dataset. Off: only architectures built into transformers load, and a model whose `model_type` needs its own code (`auto_map`) exits 2 before anything but its config is downloaded.")
-    allow_pickle_weights: bool = setting(False, "Load a model whose weights exist only as pickle files (`*.bin`, `*.pt`), which can run code when unpickled. Off: weights load from safetensors only, and a model without them exits 2 naming its pickle files, before any weight is read.")
-    dataset: str = setting("trl-lib/Capybara", "Training data: a hub id, a `save_to_disk` folder, local `.jsonl`/`.json`/`.parquet`/`.csv` files, a folder or glob of them, or an `s3://`/`gs://`/`az://` URL.", changes="data")
+    trust_remote_code: bool = setting(False, "Run Python code shipped with the model or dataset. Off: only architectures built into transformers load, and a "
+                                             "model whose `model_type` needs its own code (`auto_map`) exits 2 before anything but its config is downloaded.")
+    allow_pickle_weights: bool = setting(False, "Load a model whose weights exist only as pickle files (`*.bin`, `*.pt`), which "
+                                                "can run code when unpickled. Off: weights load from safetensors only, and a "
+                                                "model without them exits 2 naming its pickle files, before any weight is read.")
+    dataset: str = setting("trl-lib/Capybara", "Training data: a hub id, a `save_to_disk` folder, local `.jsonl`/`.json`/`.parquet`/`.csv` "
+                                               "files, a folder or glob of them, or an `s3://`/`gs://`/`az://` URL.", changes="data")
     dataset_config: str = setting("", "Hub dataset configuration name; empty = the default one.", changes="data")
     dataset_split: str = setting("train", "Split to train on.", changes="data")
     dataset_revision: str = setting("", "Hub dataset revision to pin; empty = the default branch.", changes="data")
-    eval_dataset: str = setting("", "Validation data, in the same forms as `FT_DATASET` (from a dataset with several splits, `validation`, else `test`). Empty: `FT_DATASET`'s own `test` split when it has one, else `FT_EVAL_FRACTION` of the training rows.", changes="data")
-    eval_fraction: float = setting(0.1, "Share of the checked training rows held out for validation (seed `FT_SEED`) when there is no `FT_EVAL_DATASET` and no `test` split; 0 = no validation, and the final model is the last step's rather than the best by eval loss.", minimum=0.0, changes="data")
-    data_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text"] = setting("auto", "Row format: `messages` (role/content), `sharegpt` (`conversations` of from/value), `prompt_completion`, `alpaca` (`instruction`, optional `input`, `output`), or `text`; `auto` detects it from the columns ([row formats](data.md#row-formats-ft_data_format)).", changes="data")
-    bad_rows: Literal["fail", "skip"] = setting("fail", "Rows that cannot be trained on (unknown role, empty reply, bad JSON, ...): `fail` exits 2 listing them with their reasons, `skip` leaves them out and counts them. Either way they are listed in `FT_OUTPUT_DIR/data-report.txt` ([bad rows](data.md#what-makes-a-row-bad-ft_bad_rows)).", changes="data")
-    loss_on: Literal["all", "assistant"] = setting("all", "Tokens that carry loss: `all` (the reference recipe), or `assistant`, only the assistant's replies and their end-of-turn token (Qwen3's stock template works; other templates need `{% generation %}` markers; [what is trained](data.md#what-is-trained-ft_loss_on)).", changes="data")
-    max_length: int = setting(4096, "Longest training sequence in tokens; longer rows follow `FT_TRUNCATION` ([lengths](data.md#how-long-ft_max_length-ft_truncation)).", minimum=16, changes="data")
-    truncation: Literal["truncate", "drop"] = setting("truncate", "Rows longer than `FT_MAX_LENGTH`: cut at the limit, or leave out (both counted).", changes="data")
-    data_cache: bool = setting(True, "Keep the checked, tokenized data under `FT_OUTPUT_DIR/.fulltune/data-cache/`, keyed by data source, tokenizer and data settings, so a restart skips checking and tokenizing.")
+    eval_dataset: str = setting("", "Validation data, in the same forms as `FT_DATASET` (from a dataset with several splits, `validation`, else `test`). "
+                                    "Empty: `FT_DATASET`'s own `test` split when it has one, else `FT_EVAL_FRACTION` of the training rows.", changes="data")
+    eval_fraction: float = setting(0.1, "Share of the checked training rows held out for validation (seed `FT_SEED`) when there "
+                                        "is no `FT_EVAL_DATASET` and no `test` split; 0 = no validation, and the final model is "
+                                        "the last step's rather than the best by eval loss.", minimum=0.0, changes="data")
+    data_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text"] = setting("auto", "Row format: `messages` (role/content), "
+        "`sharegpt` (`conversations` of from/value), `prompt_completion`, `alpaca` (`instruction`, optional `input`, `output`), "
+        "or `text`; `auto` detects it from the columns ([row formats](data.md#row-formats-ft_data_format)).", changes="data")
+    bad_rows: Literal["fail", "skip"] = setting("fail", "Rows that cannot be trained on (unknown role, empty reply, bad JSON, ...): "
+                                                        "`fail` exits 2 listing them with their reasons, `skip` leaves them out and "
+                                                        "counts them. Either way they are listed in `FT_OUTPUT_DIR/data-report.txt` "
+                                                        "([bad rows](data.md#what-makes-a-row-bad-ft_bad_rows)).", changes="data")
+    loss_on: Literal["all", "assistant"] = setting("all", "Tokens that carry loss: `all` (the reference recipe), or `assistant`, only the assistant's "
+                                                          "replies and their end-of-turn token (Qwen3's stock template works; other templates need `{% "
+                                                          "generation %}` markers; [what is trained](data.md#what-is-trained-ft_loss_on)).", changes="data")
+    max_length: int = setting(4096, "Longest training sequence in tokens; longer rows follow `FT_TRUNCATION` "
+                                    "([lengths](data.md#how-long-ft_max_length-ft_truncation)).", minimum=16, changes="data")
+    truncation: Literal["truncate", "drop"] = setting("truncate", "Rows longer than `FT_MAX_LENGTH`: cut at the limit, or "
+                                                                  "leave out (both counted).", changes="data")
+    data_cache: bool = setting(True, "Keep the checked, tokenized data under `FT_OUTPUT_DIR/.fulltune/data-cache/`, keyed by "
+                                     "data source, tokenizer and data settings, so a restart skips checking and tokenizing.")
     # -- Optimisation --------------------------------------------------------------------------------
     max_steps: int = setting(50, "Optimizer steps to train.", minimum=1, changes="training", group="Optimisation")
     learning_rate: float = setting(2e-05, "Peak learning rate of AdamW.", minimum=0.0, changes="training")
@@ -75,55 +93,112 @@ class Settings:
     warmup_steps: int = setting(10, "Linear warm-up steps.", minimum=0, changes="training")
     weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0, changes="training")
     max_grad_norm: float = setting(1.0, "Gradient clipping norm; 0 = no clipping.", minimum=0.0, changes="training")
-    divergence_patience: int = setting(3, "Stop the job (exit 5) when the logged training loss is NaN, infinite or above `FT_LOSS_LIMIT` at this many logging steps in a row; 0 = never stop for the loss (a checkpoint whose weights are not finite is never committed either way).", minimum=0)
-    loss_limit: float = setting(0.0, "A logged training loss above this counts towards `FT_DIVERGENCE_PATIENCE`; 0 = only NaN and infinite losses do.", minimum=0.0)
-    batch_size: int = setting(1, "Sequences per forward pass as the recipe states it; with `FT_BATCH_LAYOUT=auto` only the product with `FT_GRADIENT_ACCUMULATION_STEPS` (sequences per optimizer step) is kept, and the passes are regrouped to fill the device.", minimum=1, changes="training")
+    divergence_patience: int = setting(3, "Stop the job (exit 5) when the logged training loss is NaN, infinite or above "
+                                          "`FT_LOSS_LIMIT` at this many logging steps in a row; 0 = never stop for the loss (a "
+                                          "checkpoint whose weights are not finite is never committed either way).", minimum=0)
+    loss_limit: float = setting(0.0, "A logged training loss above this counts towards `FT_DIVERGENCE_PATIENCE`; "
+                                     "0 = only NaN and infinite losses do.", minimum=0.0)
+    batch_size: int = setting(1, "Sequences per forward pass as the recipe states it; with `FT_BATCH_LAYOUT=auto` only "
+                                 "the product with `FT_GRADIENT_ACCUMULATION_STEPS` (sequences per optimizer step) is "
+                                 "kept, and the passes are regrouped to fill the device.", minimum=1, changes="training")
     gradient_accumulation_steps: int = setting(8, "Forward passes per optimizer step; effective batch = batch size × this.", minimum=1, changes="training")
     seed: int = setting(42, "Seed for the split, the data order and initialisation.", minimum=0, maximum=2**32 - 1, changes="data")  # numpy's seed range
     # -- Evaluation and checkpoints ------------------------------------------------------------------
     eval_steps: int = setting(25, "Evaluate every N optimizer steps.", minimum=1, group="Evaluation and checkpoints")
     eval_batch_size: int = setting(1, "Sequences per evaluation forward pass.", minimum=1)
-    save_steps: int = setting(25, "Commit a checkpoint every N optimizer steps. Must be a multiple of `FT_EVAL_STEPS` (the best model is chosen by eval loss at save time).", minimum=1)
-    save_every_minutes: float = setting(0.0, "Also commit a checkpoint at the first evaluation step (every `FT_EVAL_STEPS`) once this many minutes have passed since the last one, to bound the work a hard kill loses; 0 = by `FT_SAVE_STEPS` only. A stop signal saves anyway (docs/checkpoints.md says how to choose).", minimum=0.0)
+    save_steps: int = setting(25, "Commit a checkpoint every N optimizer steps. Must be a multiple of "
+                                  "`FT_EVAL_STEPS` (the best model is chosen by eval loss at save time).", minimum=1)
+    save_every_minutes: float = setting(0.0, "Also commit a checkpoint at the first evaluation step (every `FT_EVAL_STEPS`) once "
+                                             "this many minutes have passed since the last one, to bound the work a hard kill "
+                                             "loses; 0 = by `FT_SAVE_STEPS` only. A stop signal saves anyway (docs/checkpoints.md "
+                                             "says how to choose).", minimum=0.0)
     save_total_limit: int = setting(2, "Committed checkpoints to keep (the best one is kept as well).", minimum=1)
-    early_stopping_patience: int = setting(0, "Stop training once eval loss has not improved for this many evaluations in a row (transformers' `EarlyStoppingCallback`), still exiting 0 with the best checkpoint as the final model; 0 = train all `FT_MAX_STEPS`.", minimum=0)
-    eval_samples: int = setting(4, "Validation prompts the model answers greedily at step 0 and after every evaluation, the same ones each time (chosen with `FT_SEED`), written to `FT_OUTPUT_DIR/eval-samples.jsonl` and the MLflow run; 0 = none ([what they cost](performance.md#sample-answers)).", minimum=0)
+    early_stopping_patience: int = setting(0, "Stop training once eval loss has not improved for this many evaluations in a "
+                                              "row (transformers' `EarlyStoppingCallback`), still exiting 0 with the best "
+                                              "checkpoint as the final model; 0 = train all `FT_MAX_STEPS`.", minimum=0)
+    eval_samples: int = setting(4, "Validation prompts the model answers greedily at step 0 and after every evaluation, the "
+                                   "same ones each time (chosen with `FT_SEED`), written to `FT_OUTPUT_DIR/eval-samples.jsonl` "
+                                   "and the MLflow run; 0 = none ([what they cost](performance.md#sample-answers)).", minimum=0)
     eval_sample_tokens: int = setting(128, "Most new tokens per sample answer (an answer also ends at the end-of-turn token).", minimum=1)
     logging_steps: int = setting(10, "Log loss, learning rate and throughput every N optimizer steps.", minimum=1)
     output_dir: str = setting("/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.")
     # -- Hardware ------------------------------------------------------------------------------------
-    precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = setting("auto", "`auto`: `bf16-mixed` on a bf16-capable GPU, else `fp32`. `bf16-mixed` keeps fp32 master weights and AdamW states and computes in bf16, so no update is lost; `bf16-sr` (opt-in) keeps bf16 weights and fp32 AdamW states and writes each update back with stochastic rounding, without `FT_OPTIMIZER` ([why, and what each costs](settings.md#the-reference-recipe)).", changes="training", group="Hardware")
-    activation_checkpointing: Literal["auto", "full", "selective", "off"] = setting("auto", "Recompute activations in the backward pass instead of keeping them: `full` every decoder layer, `selective` every n-th layer with n as large as the memory plan fits, `off` none. `auto` picks the least recomputation that fits, none on CPU ([the memory plan](performance.md#memory-and-disk-preflight)).")
+    precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = setting("auto", "`auto`: `bf16-mixed` on a bf16-capable GPU, else `fp32`. `bf16-mixed` keeps "
+                                                                                  "fp32 master weights and AdamW states and computes in bf16, so no update is "
+                                                                                  "lost; `bf16-sr` (opt-in) keeps bf16 weights and fp32 AdamW states and "
+                                                                                  "writes each update back with stochastic rounding, without `FT_OPTIMIZER` "
+                                                                                  "([why, and what each costs](settings.md#the-reference-recipe)).",
+                                                                                  changes="training", group="Hardware")
+    activation_checkpointing: Literal["auto", "full", "selective", "off"] = setting("auto", "Recompute activations in the backward pass instead of keeping "
+                                                                                            "them: `full` every decoder layer, `selective` every n-th layer "
+                                                                                            "with n as large as the memory plan fits, `off` none. `auto` "
+                                                                                            "picks the least recomputation that fits, none on CPU ([the "
+                                                                                            "memory plan](performance.md#memory-and-disk-preflight)).")
     # -- Throughput ----------------------------------------------------------------------------------
-    batch_layout: Literal["auto", "as-set"] = setting("auto", "`auto`: train each optimizer step's `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` sequences, in the same order and with the same updates, in as few forward passes as the memory plan fits; `as-set`: exactly `FT_BATCH_SIZE` sequences per pass, as TRL does ([why](performance.md#what-the-defaults-do)).", group="Throughput")
-    padding_free: Literal["auto", "on", "off"] = setting("auto", "Concatenate the sequences of a forward pass into one row without padding (TRL's `padding_free`); each sequence still attends only to itself. `auto`: on ([measured](performance.md#what-the-defaults-do)).")
-    optimizer: Literal["auto", "adamw_torch", "adamw_torch_fused"] = setting("auto", "AdamW implementation; the update is the same. `auto`: the fused kernel (one launch for all parameters) on GPU, the loop on CPU.")
+    batch_layout: Literal["auto", "as-set"] = setting("auto", "`auto`: train each optimizer step's `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` "
+                                                              "sequences, in the same order and with the same updates, in as few forward passes as the "
+                                                              "memory plan fits; `as-set`: exactly `FT_BATCH_SIZE` sequences per pass, as TRL does "
+                                                              "([why](performance.md#what-the-defaults-do)).", group="Throughput")
+    padding_free: Literal["auto", "on", "off"] = setting("auto", "Concatenate the sequences of a forward pass into one row without "
+                                                                 "padding (TRL's `padding_free`); each sequence still attends only to "
+                                                                 "itself. `auto`: on ([measured](performance.md#what-the-defaults-do)).")
+    optimizer: Literal["auto", "adamw_torch", "adamw_torch_fused"] = setting("auto", "AdamW implementation; the update is the same. `auto`: the fused "
+                                                                                     "kernel (one launch for all parameters) on GPU, the loop on CPU.")
     compile: bool = setting(False, "`torch.compile` the model. Off until measured on the target GPU: the first steps compile for minutes.")
-    liger: bool = setting(False, "Liger Triton kernels for RMSNorm, SwiGLU and RoPE (needs the `liger-kernel` package and a GPU; without either, exit 2 at start). The loss never materialises the full logits either way: TRL computes it in chunks.")
-    eval_max_samples: int = setting(0, "Evaluate on at most this many validation rows (the first ones of the split, always the same); 0 = all of them.", minimum=0)
-    dataloader_workers: int = setting(0, "Background processes that collate batches; 0 = in the training process, which is enough because rows are tokenized up front ([measured](performance.md#what-the-defaults-do)).", minimum=0, maximum=256)
-    preflight: Literal["fail", "warn", "off"] = setting("fail", "Before loading weights: estimate peak GPU memory from the model config and check the volume has room for the checkpoints. `fail`: exit 2 with the breakdown and the settings that would fit; `warn`: print it and go on ([the preflight](performance.md#memory-and-disk-preflight)).")
-    gpu_memory_gb: float = setting(0.0, "GPU memory the plan must fit, in GB; 0 = what the device reports. Set it to plan for a smaller card than the one at hand.", minimum=0.0)
+    liger: bool = setting(False, "Liger Triton kernels for RMSNorm, SwiGLU and RoPE (needs the `liger-kernel` package and a GPU; without "
+                                 "either, exit 2 at start). The loss never materialises the full logits either way: TRL computes it in chunks.")
+    eval_max_samples: int = setting(0, "Evaluate on at most this many validation rows (the first ones "
+                                       "of the split, always the same); 0 = all of them.", minimum=0)
+    dataloader_workers: int = setting(0, "Background processes that collate batches; 0 = in the training process, which is enough because rows "
+                                         "are tokenized up front ([measured](performance.md#what-the-defaults-do)).", minimum=0, maximum=256)
+    preflight: Literal["fail", "warn", "off"] = setting("fail", "Before loading weights: estimate peak GPU memory from the model config and check the volume "
+                                                                "has room for the checkpoints. `fail`: exit 2 with the breakdown and the settings that would "
+                                                                "fit; `warn`: print it and go on ([the preflight](performance.md#memory-and-disk-preflight)).")
+    gpu_memory_gb: float = setting(0.0, "GPU memory the plan must fit, in GB; 0 = what the device reports. Set "
+                                        "it to plan for a smaller card than the one at hand.", minimum=0.0)
     # -- Tracking and registry -----------------------------------------------------------------------
-    registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog), also the name the served model answers with; empty = do not register. Unset with another `FT_MODEL`: `main.default.<model name>_sft` (docs/first-hour.md).", group="Tracking and registry")
+    registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog), also the name "
+                                                                       "the served model answers with; empty = do not register. Unset with another `FT_MODEL`: "
+                                                                       "`main.default.<model name>_sft` (docs/first-hour.md).", group="Tracking and registry")
     run_name: str = setting("", "MLflow run name; empty = `<model name>_full-fine-tuning`, the model's name without its path (docs/first-hour.md).")
     system_metrics: bool = setting(True, "Log CPU/GPU/memory system metrics to the MLflow run.")
-    registration_retry_seconds: int = setting(600, "How long the end of the job waits for an MLflow server that does not answer, to send held-back metrics, register and close the run; past it the job exits 3 with the model kept on the volume, and running it again registers without training. 0 = one try ([outages](tracking-and-serving.md#mlflow)).", minimum=0)
+    registration_retry_seconds: int = setting(600, "How long the end of the job waits for an MLflow server that does not answer, to send held-back metrics, "
+                                                   "register and close the run; past it the job exits 3 with the model kept on the volume, and running it "
+                                                   "again registers without training. 0 = one try ([outages](tracking-and-serving.md#mlflow)).", minimum=0)
     # -- Operations ----------------------------------------------------------------------------------
-    platform: Literal["auto", "none", "sagemaker", "vertex", "aws-batch", "azureml"] = setting("auto", "Batch platform whose variables fill in unset `FT_*` settings; `auto` detects it, `none` ignores them.", group="Operations")
-    stop_deadline_seconds: int = setting(270, "After SIGTERM/SIGINT the job finishes the current optimizer step and commits a checkpoint; past this many seconds it gives up (exit 76). Keep it below the platform's grace period; on SageMaker it defaults to 100 ([grace periods](preemption-and-failures.md#preemption-and-resume)).", minimum=1)
+    platform: Literal["auto", "none", "sagemaker", "vertex", "aws-batch", "azureml"] = setting("auto", "Batch platform whose variables fill in unset `FT_*` "
+        "settings; `auto` detects it, `none` ignores them.", group="Operations")
+    stop_deadline_seconds: int = setting(270, "After SIGTERM/SIGINT the job finishes the current optimizer step and commits a checkpoint; past "
+                                              "this many seconds it gives up (exit 76). Keep it below the platform's grace period; on SageMaker it "
+                                              "defaults to 100 ([grace periods](preemption-and-failures.md#preemption-and-resume)).", minimum=1)
     allow_config_change: bool = setting(False, "Resume checkpoints on the volume even though model, data or hyperparameters changed since they were written.")
-    lease_seconds: int = setting(60, "How long a job's lease on `FT_OUTPUT_DIR` may go unrefreshed before another job takes it over; it is refreshed every third of this, and a second job started on the volume exits 7 within about that third. Keep it above the longest time the volume may stall writes ([the lease](preemption-and-failures.md#preemption-and-resume)).", minimum=3)
-    termination_message_path: str = setting("/dev/termination-log", "File that receives a one-line reason on every non-zero exit (read by Kubernetes); empty = none.")
-    log_level: Literal["info", "debug"] = setting("info", "What the job's log shows: `info`, fulltune's own lines (MLflow's and other libraries' INFO lines left out); `debug` adds those and the start-up stage timings (docs/tracking-notes.md).")
+    lease_seconds: int = setting(60, "How long a job's lease on `FT_OUTPUT_DIR` may go unrefreshed before another job takes it over; it is refreshed every "
+                                     "third of this, and a second job started on the volume exits 7 within about that third. Keep it above the longest time "
+                                     "the volume may stall writes ([the lease](preemption-and-failures.md#preemption-and-resume)).", minimum=3)
+    termination_message_path: str = setting("/dev/termination-log", "File that receives a one-line reason on every non-zero "
+                                                                    "exit (read by Kubernetes); empty = none.")
+    log_level: Literal["info", "debug"] = setting("info", "What the job's log shows: `info`, fulltune's own lines (MLflow's and other libraries' INFO "
+                                                          "lines left out); `debug` adds those and the start-up stage timings (docs/tracking-notes.md).")
     # -- Scaling out ---------------------------------------------------------------------------
-    num_processes: int = setting(0, "Training processes on this node, one per GPU; 0 = every visible GPU (1 on CPU). More than one multiplies the effective batch: `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` × processes ([scaling out](scaling-out.md)).", minimum=0, changes="training", group="Scaling out")
-    distributed: Literal["auto", "none", "ddp", "fsdp"] = setting("auto", "How several processes share the model: `ddp` gives each the whole model and averages gradients, `fsdp` shards weights, gradients and AdamW states across them (FSDP2, per decoder layer). `auto`: none for one process, else `ddp` when the memory plan fits a whole model per GPU, else `fsdp` ([scaling out](scaling-out.md)).")
-    num_nodes: int = setting(1, "Machines (pods) training together, each running this image with the same settings and its own `FT_NODE_RANK` on a volume every node mounts (ReadWriteMany). Filled in from Kubeflow Trainer's `PET_NNODES`, or `WORLD_SIZE` (PyTorchJob, Volcano).", minimum=1, changes="training")
-    node_rank: int = setting(0, "This machine's index, 0 to `FT_NUM_NODES` - 1; node 0 hosts rank 0, which logs, commits checkpoints and saves the model. Filled in from `PET_NODE_RANK`, `RANK` (PyTorchJob, Volcano) or an Indexed Job's `JOB_COMPLETION_INDEX`.", minimum=0)
-    master_addr: str = setting("", "Host name or address of node 0 (rendezvous); empty = this machine (one node). Filled in from `PET_MASTER_ADDR` or `MASTER_ADDR`; for an Indexed Job use its pod host name, `<job>-0.<headless service>`.")
+    num_processes: int = setting(0, "Training processes on this node, one per GPU; 0 = every visible GPU (1 on CPU). More than one "
+                                    "multiplies the effective batch: `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` × processes "
+                                    "([scaling out](scaling-out.md)).", minimum=0, changes="training", group="Scaling out")
+    distributed: Literal["auto", "none", "ddp", "fsdp"] = setting("auto", "How several processes share the model: `ddp` gives each the whole "
+                                                                          "model and averages gradients, `fsdp` shards weights, gradients "
+                                                                          "and AdamW states across them (FSDP2, per decoder layer). `auto`: "
+                                                                          "none for one process, else `ddp` when the memory plan fits a "
+                                                                          "whole model per GPU, else `fsdp` ([scaling out](scaling-out.md)).")
+    num_nodes: int = setting(1, "Machines (pods) training together, each running this image with the same settings and its own "
+                                "`FT_NODE_RANK` on a volume every node mounts (ReadWriteMany). Filled in from Kubeflow "
+                                "Trainer's `PET_NNODES`, or `WORLD_SIZE` (PyTorchJob, Volcano).", minimum=1, changes="training")
+    node_rank: int = setting(0, "This machine's index, 0 to `FT_NUM_NODES` - 1; node 0 hosts rank 0, which logs, commits checkpoints and saves the model. "
+                                "Filled in from `PET_NODE_RANK`, `RANK` (PyTorchJob, Volcano) or an Indexed Job's `JOB_COMPLETION_INDEX`.", minimum=0)
+    master_addr: str = setting("", "Host name or address of node 0 (rendezvous); empty = this machine (one node). Filled in from "
+                                   "`PET_MASTER_ADDR` or `MASTER_ADDR`; for an Indexed Job use its pod host name, `<job>-0.<headless service>`.")
     master_port: int = setting(29500, "Port of the rendezvous on node 0. Filled in from `PET_MASTER_PORT` or `MASTER_PORT`.", minimum=1)
-    collective_timeout_seconds: int = setting(1800, "How long a rank waits in a collective (all-reduce, barrier) before the job fails. Keep it above the slowest checkpoint save or evaluation on rank 0, which the other ranks wait for ([scaling out](scaling-out.md)).", minimum=60)
+    collective_timeout_seconds: int = setting(1800, "How long a rank waits in a collective (all-reduce, barrier) before the job "
+                                                    "fails. Keep it above the slowest checkpoint save or evaluation on rank 0, "
+                                                    "which the other ranks wait for ([scaling out](scaling-out.md)).", minimum=60)
     # Not a variable: which platform's variables filled in unset settings (`platforms.py`), for the logs.
     detected_platform: str = "none"
 
@@ -270,9 +345,11 @@ def _cross_checks(values: dict[str, Any]) -> dict[str, str]:
     """Rules that involve two settings; each names the variable to change."""
     problems = {}
     if values["save_steps"] % values["eval_steps"]:
-        problems["FT_SAVE_STEPS"] = f"must be a multiple of FT_EVAL_STEPS={values['eval_steps']} so every checkpoint has an eval loss for picking the best model"
+        problems["FT_SAVE_STEPS"] = (f"must be a multiple of FT_EVAL_STEPS={values['eval_steps']} so "
+                                     "every checkpoint has an eval loss for picking the best model")
     if values["batch_size"] * values["gradient_accumulation_steps"] > MAX_SEQUENCES_PER_STEP:
-        problems["FT_BATCH_SIZE"] = f"times FT_GRADIENT_ACCUMULATION_STEPS={values['gradient_accumulation_steps']} must be at most {MAX_SEQUENCES_PER_STEP} sequences per optimizer step"
+        problems["FT_BATCH_SIZE"] = (f"times FT_GRADIENT_ACCUMULATION_STEPS={values['gradient_accumulation_steps']} "
+                                     f"must be at most {MAX_SEQUENCES_PER_STEP} sequences per optimizer step")
     if not 0.0 <= values["eval_fraction"] < 1.0:
         problems["FT_EVAL_FRACTION"] = "must be >= 0 and < 1"
     if not values["output_dir"].strip():

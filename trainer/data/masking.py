@@ -93,7 +93,8 @@ class Masker:
                 out[i] = (list(ids), [True] * len(ids))
                 continue
             if self.kind == "all" and not self._chatml():
-                out[i] = Problem("weight unsupported", 'has an assistant turn with "weight": 0, but the chat template of FT_MODEL is not ChatML, so its turns cannot be told apart')
+                out[i] = Problem("weight unsupported", 'has an assistant turn with "weight": 0, but the chat template '
+                                                       'of FT_MODEL is not ChatML, so its turns cannot be told apart')
                 continue
             spans = _assistant_spans(text)
             if len(spans) != len(weights):
@@ -129,7 +130,8 @@ class Masker:
         from jinja2 import TemplateError
 
         if any(m.get("weight") == 0 for m in row["messages"]):  # transformers' assistant mask is one for all turns
-            return Problem("weight unsupported", 'has an assistant turn with "weight": 0, which {% generation %} masking cannot leave out; drop the turn or its weight')
+            return Problem("weight unsupported", 'has an assistant turn with "weight": 0, which {% generation %} masking cannot leave out; '
+                                                 'drop the turn or its weight')
 
         try:
             out = self.tokenizer.apply_chat_template(

@@ -91,7 +91,8 @@ def prepare(settings: Settings, tokenizer: Any) -> Prepared:
             _fail(
                 settings,
                 report,
-                f"only {len(train_set)} usable row(s): too few to hold out FT_EVAL_FRACTION={settings.eval_fraction}; set FT_EVAL_FRACTION=0 or FT_EVAL_DATASET",
+                f"only {len(train_set)} usable row(s): too few to hold out "
+                f"FT_EVAL_FRACTION={settings.eval_fraction}; set FT_EVAL_FRACTION=0 or FT_EVAL_DATASET",
             )
         parts = train_set.train_test_split(test_size=held_out, seed=settings.seed)  # the reference recipe's split
         train_set, eval_set = parts["train"], parts["test"]
@@ -261,7 +262,8 @@ def _write_report(settings: Settings, report: dict, show: bool = True) -> str:
     write_text(path, report_text(report))
     if show:
         heading, *lines = report_text(report).rstrip().split("\n")
-        print("\n".join([f"fulltune: {heading.removeprefix('fulltune ')}: {os.path.abspath(path)}", *(f"fulltune: data: {line}" for line in lines)]), flush=True)
+        print("\n".join([f"fulltune: {heading.removeprefix('fulltune ')}: {os.path.abspath(path)}",
+                         *(f"fulltune: data: {line}" for line in lines)]), flush=True)
     return path
 
 

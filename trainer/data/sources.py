@@ -108,7 +108,8 @@ def _files(spec: str, fs: Any, path: str, variable: str) -> Source:
         raise DataError(
             f"{variable}={spec!r}: expected .jsonl, .json, .parquet or .csv files of one kind; found {len(found)} file(s)"
             + (f" including {', '.join(others)}" if others else "")
-            + (f" of kinds {', '.join(sorted({os.path.splitext(p)[1].lower() for p in found if READERS.get(os.path.splitext(p)[1].lower())}))}" if len(kinds) > 1 else "")
+            + (f" of kinds {', '.join(sorted({os.path.splitext(p)[1].lower() for p in found if READERS.get(os.path.splitext(p)[1].lower())}))}"
+               if len(kinds) > 1 else "")
         )
     kind = kinds.pop()
     infos = [fs.info(p) for p in found]

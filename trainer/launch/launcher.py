@@ -133,7 +133,8 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     if stops.ended:
         return returncode  # the caller says why (trainer/launch/lease.py)
     if stops.abandoned:
-        return ending.announce(StopAbandoned.exit_code, "second stop signal before the checkpoint was committed; a retry resumes from the last committed checkpoint")
+        return ending.announce(StopAbandoned.exit_code, "second stop signal before the checkpoint was committed; a "
+                                                        "retry resumes from the last committed checkpoint")
     if stops.received and (stops.child is None or -returncode in stops.received):
         # The stop came before the training process had installed its handler: nothing new was
         # saved, the committed checkpoints are intact, and a retry resumes from them.

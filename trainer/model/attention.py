@@ -25,7 +25,8 @@ NATIVE = "fulltune_varlen_native"  # torch.nn.attention.varlen.varlen_attn
 _chosen: dict[str, str] = {}  # name and why, once per process: the self-check runs at most once
 
 
-def varlen_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
+def varlen_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                **kwargs: Any) -> tuple[Any, None]:
     """query (batch, heads, tokens, dim); key/value (batch, kv heads, tokens, dim) -> (batch, tokens, heads, dim)."""
     import torch
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -45,7 +46,8 @@ def varlen_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: A
         return out.transpose(1, 2).contiguous(), None
     out = torch.zeros_like(query)
     for row, a, b in spans:
-        out[row : row + 1, :, a:b] = sdpa(query[row : row + 1, :, a:b], key[row : row + 1, :, a:b], value[row : row + 1, :, a:b], dropout_p=dropout, scale=scaling, is_causal=b - a > 1)
+        out[row : row + 1, :, a:b] = sdpa(query[row : row + 1, :, a:b], key[row : row + 1, :, a:b], value[row : row + 1, :, a:b],
+                                          dropout_p=dropout, scale=scaling, is_causal=b - a > 1)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -57,7 +59,8 @@ def kernel() -> Any:
     return varlen_attn
 
 
-def varlen_native(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
+def varlen_native(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs: Any) -> tuple[Any, None]:
     """The padding-free row in one kernel call; anything else (padded rows, dropout) through `varlen_sdpa`."""
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None or query.shape[0] != 1 or dropout:
@@ -126,7 +129,8 @@ def self_check(device: str, dtype: Any = None, seed: int = 0) -> str | None:
         generator = torch.Generator().manual_seed(seed)
         tokens = sum(SELF_CHECK_LENGTHS)
         bounds = torch.tensor([0, *torch.tensor(SELF_CHECK_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        shapes = ((1, SELF_CHECK_HEADS, tokens, SELF_CHECK_DIM), (1, SELF_CHECK_KV_HEADS, tokens, SELF_CHECK_DIM), (1, SELF_CHECK_KV_HEADS, tokens, SELF_CHECK_DIM))
+        shapes = ((1, SELF_CHECK_HEADS, tokens, SELF_CHECK_DIM), (1, SELF_CHECK_KV_HEADS, tokens, SELF_CHECK_DIM),
+                  (1, SELF_CHECK_KV_HEADS, tokens, SELF_CHECK_DIM))
         inputs = [torch.randn(shape, generator=generator).to(device) for shape in shapes]
         grad = torch.randn((1, tokens, SELF_CHECK_HEADS, SELF_CHECK_DIM), generator=generator).to(device)
         kwargs = {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": max(SELF_CHECK_LENGTHS), "max_length_k": max(SELF_CHECK_LENGTHS)}

@@ -116,7 +116,8 @@ def phases(
     root = n_params - layer_params * layers  # embeddings, LM head and final norm: FSDP's root unit
     gather = {}  # FSDP2 (one rank of `shards`): the root unit stays whole from its first forward to its backward's end
     if shards > 1:
-        gather = {"root, gathered": precision.weight_bytes * root, "layers, gathered": 2 * precision.weight_bytes * layer_params}  # this layer and the prefetched one
+        gather = {"root, gathered": precision.weight_bytes * root,
+                  "layers, gathered": 2 * precision.weight_bytes * layer_params}  # this layer and the prefetched one
     earlier = {"gradients": gradients} if passes_per_step > 1 else {}
     forward = static | gather | earlier | {"bf16 copies": copies, "activations": saved, "loss": FORWARD_TILE_BYTES * tile}
     backward_start = static | gather | earlier | {

@@ -66,7 +66,8 @@ def capacity(card: str | None, validated: settings.Settings) -> tuple[str, float
     """`--card` if given, else FT_GPU_MEMORY_GB if set, else the reference job's card."""
     if card:
         if card not in CARDS:
-            raise ConfigError(f"--card {card!r} is not a card this plan knows: use one of {', '.join(CARDS)}, or set FT_GPU_MEMORY_GB to the card's memory in GB")
+            raise ConfigError(f"--card {card!r} is not a card this plan knows: use one of "
+                              f"{', '.join(CARDS)}, or set FT_GPU_MEMORY_GB to the card's memory in GB")
         return card, float(CARDS[card])
     if validated.gpu_memory_gb:
         return f"FT_GPU_MEMORY_GB={validated.gpu_memory_gb:g}", validated.gpu_memory_gb * memory.GB
@@ -108,7 +109,8 @@ def report(validated: settings.Settings, card: str | None) -> tuple[dict[str, An
 def describe(data: dict[str, Any]) -> str:
     sharing = "one process" if data["processes"] == 1 else f"{data['processes']} processes ({data['strategy']})"
     lines = [
-        f"fulltune plan: {data['model']} ({data['parameters'] / 1e9:.2f} B parameters), {data['precision']}, FT_MAX_LENGTH={data['max_length']}, on {data['card']} ({data['capacity_gb']} GB)",
+        f"fulltune plan: {data['model']} ({data['parameters'] / 1e9:.2f} B parameters), {data['precision']}, "
+        f"FT_MAX_LENGTH={data['max_length']}, on {data['card']} ({data['capacity_gb']} GB)",
         f"  layout:        {data['sequences_per_pass']} sequences x {data['passes_per_step']} passes per optimizer step, {sharing}",
         f"  recomputation: {data['recomputation']}",
         f"  peak:          ~{data['peak_gb']:.1f} GB per GPU, in the {data['peak_phase']}: {'fits' if data['fits'] else 'does NOT fit'}",
@@ -120,7 +122,8 @@ def describe(data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="entrypoint.py plan", description="The memory plan for the configured FT_* settings on a card, from config.json alone.")
+    parser = argparse.ArgumentParser(prog="entrypoint.py plan", description="The memory plan for the configured FT_* settings on a "
+                                                                            "card, from config.json alone.")
     parser.add_argument("--card", help=f"one of {', '.join(CARDS)} (default: FT_GPU_MEMORY_GB if set, else {DEFAULT_CARD})")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     args = parser.parse_args(argv)

@@ -146,7 +146,8 @@ class Ladder:
     def _step_down(self, peak: float, how: str, reason: str) -> None:
         failed = self.plan
         lower = next_down(failed, _plans(self.job, failed))
-        self.record.setdefault("out_of_memory", []).append({"plan": _layout(failed), "described": failed.describe(), "measured_peak_bytes": peak, "measured_by": how, "error": reason})
+        self.record.setdefault("out_of_memory", []).append({"plan": _layout(failed), "described": failed.describe(), "measured_peak_bytes": peak,
+                                                            "measured_by": how, "error": reason})
         if lower is None:
             self._write()
             raise SmallestPlanOutOfMemory(_describe_peak(peak, how), failed.describe(), fixes(self.job, failed))
@@ -176,7 +177,8 @@ class Ladder:
 
 
 def _short(plan: memory.Plan) -> str:
-    return f"{plan.sequences_per_pass} sequences x {plan.passes_per_step} passes, recomputation {memory.checkpointing_label(plan.checkpoint_every, plan.layers)} (planned peak ~{plan.peak / memory.GB:.1f} GB)"
+    return (f"{plan.sequences_per_pass} sequences x {plan.passes_per_step} passes, recomputation "
+            f"{memory.checkpointing_label(plan.checkpoint_every, plan.layers)} (planned peak ~{plan.peak / memory.GB:.1f} GB)")
 
 
 class _Watch(TrainerCallback):

@@ -82,7 +82,8 @@ def check_code(settings: Settings) -> None:
     model_type, auto_map = raw.get("model_type"), raw.get("auto_map") or {}
     if model_type in CONFIG_MAPPING:
         if auto_map:
-            print(f"fulltune: FT_MODEL ships its own code (auto_map); FT_TRUST_REMOTE_CODE is off: using transformers' built-in {model_type!r} instead", flush=True)
+            print("fulltune: FT_MODEL ships its own code (auto_map); FT_TRUST_REMOTE_CODE is "
+                  f"off: using transformers' built-in {model_type!r} instead", flush=True)
         return
     if auto_map:
         code = ", ".join(sorted({str(v[0] if isinstance(v, list | tuple) else v) for v in auto_map.values()}))

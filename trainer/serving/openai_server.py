@@ -45,7 +45,8 @@ class StoreFailed(Exception):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.serving.openai_server", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="models:/<name>/<version>, models:/<name>@<alias>, runs:/<run>/<path>, or a folder: final/ (an MLflow model) or final/model/")
+    parser.add_argument("model", help="models:/<name>/<version>, models:/<name>@<alias>, runs:/<run>/<path>, "
+                                      "or a folder: final/ (an MLflow model) or final/model/")
     parser.add_argument("--served-model-name", help="the name clients send as `model` and /v1/models lists (default: the name the job registered)")
     parser.add_argument("--download-dir", help="where a model from a remote store is downloaded (default: a new temporary folder each start)")
     args, serve_options = parser.parse_known_args(argv)
@@ -102,7 +103,8 @@ def _download(uri: str, download_dir: str | None) -> str:
     except MlflowException as error:
         why = hidden(" ".join(error.message.split()))
         if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            raise NotServable(f"{uri}: {why.rstrip('.')} in the registry {store} (MLFLOW_TRACKING_URI); the job registers models:/<FT_REGISTERED_MODEL>/<version>") from None
+            raise NotServable(f"{uri}: {why.rstrip('.')} in the registry {store} (MLFLOW_TRACKING_URI); "
+                              "the job registers models:/<FT_REGISTERED_MODEL>/<version>") from None
         raise StoreFailed(f"{uri}: the registry {store} did not give the model ({why[:300]}); try again once it answers") from None
 
 

@@ -115,7 +115,8 @@ def chart_png(title: str, points: dict[str, list], plan_gb: float | None = None)
 def _image(chart: str, points: dict[str, list], plan_gb: float | None) -> str:
     title = CHARTS[chart][0]
     plan = f' data-plan-gb="{plan_gb!r}"' if plan_gb is not None else ""
-    return f'<figure><img data-chart="{chart}"{plan} alt="{_e(title)}" src="data:image/png;base64,{base64.b64encode(chart_png(title, points, plan_gb)).decode()}"></figure>'
+    return (f'<figure><img data-chart="{chart}"{plan} alt="{_e(title)}" '
+            f'src="data:image/png;base64,{base64.b64encode(chart_png(title, points, plan_gb)).decode()}"></figure>')
 
 
 def _memory(plan: dict, measured: float | None) -> str:
@@ -142,7 +143,8 @@ def _samples(rows: list[dict]) -> str:
     first, last = steps[0], steps[-1]
     before = {row["row"]: row for row in rows if row["step"] == first}
     after = {row["row"]: row for row in rows if row["step"] == last}
-    head = f"<tr><th>Prompt</th><th>Reference</th><th>Step {first}{' (base model)' if first == 0 else ''}</th>" + (f"<th>Step {last}</th>" if last != first else "") + "</tr>"
+    head = (f"<tr><th>Prompt</th><th>Reference</th><th>Step {first}{' (base model)' if first == 0 else ''}</th>"
+            + (f"<th>Step {last}</th>" if last != first else "") + "</tr>")
     body = ""
     for index, sample in before.items():
         later = _answer(after[index]["answer"]) if last != first and index in after else ""
@@ -215,7 +217,8 @@ def _attempts(attempts: list[dict]) -> str:
         ended = attempt.get("ended")
         seconds = f"{ended - began:.0f} s" if began and ended else "running"
         start = f"resumed from step {attempt['from_step']}" if attempt.get("from_step") else "from step 0"
-        rows += f"<tr><td class=n>{n}</td><td>{_e(utc(began) if began else '')}</td><td>{_e(start)}</td><td>{_e(attempt.get('outcome', 'running'))}</td><td class=n>{_e(seconds)}</td></tr>"
+        rows += (f"<tr><td class=n>{n}</td><td>{_e(utc(began) if began else '')}</td><td>{_e(start)}</td>"
+                 f"<td>{_e(attempt.get('outcome', 'running'))}</td><td class=n>{_e(seconds)}</td></tr>")
     return f"<table><tr><th>#</th><th>Started</th><th>Training</th><th>Ended</th><th>Wall time</th></tr>{rows}</table>"
 
 
@@ -239,7 +242,8 @@ def utc(seconds: float) -> str:
 def _where(where: dict, run: dict) -> str:
     rows = []
     if "model" in where:
-        rows += [("Final model (transformers folder)", where["model"]), ("Final model (MLflow model)", where["mlflow_model"]), ("Registered", where["registered"] or "no")]
+        rows += [("Final model (transformers folder)", where["model"]), ("Final model (MLflow model)", where["mlflow_model"]),
+                 ("Registered", where["registered"] or "no")]
     rows.append(("Checkpoints", f"{where['checkpoints']} (committed: {', '.join(where['committed']) or 'none yet'})"))
     rows += [("Run report", where.get("report", "")), ("Sample answers", where.get("samples", "")), ("Data report", where.get("data_report", ""))]
     rows = [(name, value) for name, value in rows if value != ""]

@@ -64,7 +64,8 @@ class RunReport(TrainerCallback):
 
     def on_evaluate(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            self.write(f"training: step {state.global_step} of {state.max_steps} (this page is refreshed at every evaluation and at the end)", f"step {state.global_step}")
+            self.write(f"training: step {state.global_step} of {state.max_steps} (this page is "
+                       "refreshed at every evaluation and at the end)", f"step {state.global_step}")
 
     def stopped(self, step: int) -> None:
         self.write(f"stopped by a signal at step {step} (exit 75): that step's checkpoint is committed and running the job again resumes from it", "stopped")

@@ -162,7 +162,8 @@ class Tracker:
         if unsent:
             print(f"fulltune: sending {sum(map(delivery.size, unsent))} values an earlier attempt could not send to the tracking server", flush=True)
         if self.settings.log_level == "debug":
-            print(f"fulltune: debug: start-up: tracking started (store, run, system metrics) in the background, {time.perf_counter() - began:.2f} s", flush=True)
+            print("fulltune: debug: start-up: tracking started (store, run, system metrics) "
+                  f"in the background, {time.perf_counter() - began:.2f} s", flush=True)
 
     def finish(self, status: str, raising: bool = True) -> None:
         """Send what is queued and end the run with `status`, waiting for the server no longer than the end of the
@@ -204,7 +205,8 @@ class Tracker:
             elif os.path.exists(self.volume.unsent_tracking):
                 os.remove(self.volume.unsent_tracking)
         except OSError as error:  # a full volume: the job's own error (exit 6) is the one to report
-            print(f"fulltune: {sum(map(delivery.size, unsent))} values not sent to the tracking server could not be kept on the volume ({error.strerror})", file=sys.stderr, flush=True)
+            print(f"fulltune: {sum(map(delivery.size, unsent))} values not sent to the tracking server "
+                  f"could not be kept on the volume ({error.strerror})", file=sys.stderr, flush=True)
 
     def end_deadline(self) -> float:
         """When the end of the job (unsent metrics, registration, the run's status) stops waiting for the server:
@@ -220,7 +222,8 @@ class Tracker:
         self._wait_until_open(OPENING_SECONDS)
         self._raise_failure()
         if self.run_id is None:
-            raise RegistrationFailed(f"the MLflow run did not open within {OPENING_SECONDS:.0f} s; the trained model is saved at {os.path.abspath(model_dir)}. Re-run the job to register it (without training).")
+            raise RegistrationFailed(f"the MLflow run did not open within {OPENING_SECONDS:.0f} s; the trained model is saved "
+                                     f"at {os.path.abspath(model_dir)}. Re-run the job to register it (without training).")
         with self._lock:
             outbox = self._outbox
         if outbox is not None:

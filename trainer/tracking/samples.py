@@ -81,7 +81,8 @@ def answers(net: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: 
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
-        out = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        out = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad,
+                           eos_token_id=tokenizer.eos_token_id)
     replies = []
     for row in out[:, width:].tolist():
         end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
