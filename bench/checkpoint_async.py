@@ -54,7 +54,9 @@ def state(args: argparse.Namespace) -> None:
     saver = commits.CommitCheckpoints(keep=100)
     trainer = Trainer(
         model=model, train_dataset=rows, callbacks=[saver],
-        args=TrainingArguments(output_dir=args.out, max_steps=1, save_strategy="no", per_device_train_batch_size=1, report_to=[], use_cpu=True, disable_tqdm=True),
+        args=TrainingArguments(
+            output_dir=args.out, max_steps=1, save_strategy="no", per_device_train_batch_size=1, report_to=[], use_cpu=True, disable_tqdm=True
+        ),
     )
     trainer.train()  # one step: AdamW's states exist, as in the job
     params = sum(p.numel() for p in model.parameters())
@@ -73,7 +75,8 @@ def state(args: argparse.Namespace) -> None:
                 blocked = saver.costs.blocked[-1]
                 saver.saves.wait()
                 results[kind].append((blocked, saver.costs.background[-1], folder_bytes(folder)))
-            print(f"{kind} save {i + 1}: blocked {results[kind][-1][0]:.2f} s, background {results[kind][-1][1]:.2f} s, {results[kind][-1][2] / 1e9:.2f} GB", flush=True)
+            blocked, background, size = results[kind][-1]
+            print(f"{kind} save {i + 1}: blocked {blocked:.2f} s, background {background:.2f} s, {size / 1e9:.2f} GB", flush=True)
             shutil.rmtree(folder)
     saver.saves.close()
     sync_blocked = statistics.median(r[0] for r in results["sync"])

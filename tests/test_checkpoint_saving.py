@@ -22,7 +22,8 @@ def tiny_trainer(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    net = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True))
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    net = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, tie_word_embeddings=True, **shape))
     rows = Dataset.from_dict({"input_ids": [[1, 2, 3, 4] * 4] * 2, "labels": [[1, 2, 3, 4] * 4] * 2})
     saver = commits.CommitCheckpoints(keep=5)
     out = tmp_path / "volume" / "checkpoints"

@@ -157,7 +157,8 @@ def test_rerun_of_a_finished_job_with_other_settings_exits_2_naming_each_differe
     assert [r.info.run_id for r in mlflow_runs(uninterrupted)] == before
 
     # The way on it names: the finished model is the base model of a new job on a new volume.
-    more = run_job(job_env(tmp_path / "more", FT_PRESET="demo", FT_MODEL=str(uninterrupted / "final" / "model"), FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2"))
+    finished_model = str(uninterrupted / "final" / "model")
+    more = run_job(job_env(tmp_path / "more", FT_PRESET="demo", FT_MODEL=finished_model, FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2"))
     assert more.returncode == 0, more.stdout + more.stderr
     assert "starting from step 0" in more.stdout
 

@@ -104,7 +104,9 @@ def _debug(settings: Any, stage: str) -> None:
         print(f"fulltune: debug: start-up: {stage} at {time.perf_counter() - STARTED:.2f} s", flush=True)
 
 
-def build_trainer(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = ()) -> Any:
+def build_trainer(
+    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = ()
+) -> Any:
     """The job's SFTTrainer for a configuration (bench/ measures exactly this one).
 
     `tracker`: the job's run (none: a Trainer that tracks nothing); `net`: an already built model instead of
@@ -156,7 +158,9 @@ def _sample_answers(config: Config, tokenizer: Any, prepared: data.Prepared, pla
     return [samples.SampleAnswers(tracker, tokenizer, chosen, settings.eval_sample_tokens, settings.output_dir, bf16)] if chosen else []
 
 
-def train(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport, tracker: Tracker) -> Any:
+def train(
+    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport, tracker: Tracker
+) -> Any:
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
     volume = Volume(config.settings.output_dir)
@@ -278,7 +282,8 @@ def _checkpoint_cost(config: Config, plan: memory.Plan) -> str:
     size = config.precision.checkpoint_bytes * n_params
     staging = memory.checkpoint_staging_bytes(config.precision, n_params, plan.strategy, config.world_size)
     speed = saving.write_speed(Volume(config.settings.output_dir).checkpoints) if ranks.is_main() else None
-    write = f"~{size / speed:.1f} s at the volume's measured {speed / 1e9:.2f} GB/s" if speed else "write time unknown (the volume's speed could not be measured)"
+    measured = f"~{size / speed:.1f} s at the volume's measured {speed / 1e9:.2f} GB/s"
+    write = measured if speed else "write time unknown (the volume's speed could not be measured)"
     return f"each checkpoint ~{size / 1e9:.2f} GB (weights + AdamW states), written in the background: {write}; host staging {staging / 1e9:.2f} GB per process"
 
 

@@ -54,7 +54,12 @@ class Costs:
         return sum(self.blocked) / elapsed if elapsed > 0 else 0.0
 
     def summary(self) -> dict[str, float]:
-        return {"checkpoint_blocked_s": self.last, "checkpoint_blocked_total_s": sum(self.blocked), "checkpoint_blocked_share": self.share, "checkpoint_saves": len(self.blocked)}
+        return {
+            "checkpoint_blocked_s": self.last,
+            "checkpoint_blocked_total_s": sum(self.blocked),
+            "checkpoint_blocked_share": self.share,
+            "checkpoint_saves": len(self.blocked),
+        }
 
 
 class Saves:
@@ -73,7 +78,8 @@ class Saves:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             # Pinned host buffers, reused from save to save, and copies that overlap on a GPU; plain copies on CPU.
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=self.pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=self.pinned))
+            options = StagingOptions(use_pinned_memory=self.pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=self.pinned)
+            self._stager = DefaultStager(options)
         return self._stager.stage(state_dict)
 
     def start(self, job: Callable[[], None]) -> None:

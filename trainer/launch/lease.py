@@ -81,7 +81,8 @@ def held(settings: Any, stopping: Callable[[], bool], on_lost: Callable[[], None
 
 
 def describe(holder: dict[str, Any]) -> str:
-    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started_at', '?')}, last refreshed {holder.get('refreshed_at', '?')}"
+    started, refreshed = holder.get("started_at", "?"), holder.get("refreshed_at", "?")
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {started}, last refreshed {refreshed}"
 
 
 class Lease:
@@ -128,7 +129,10 @@ class Lease:
             )
         taken = self._replace(seen)
         if taken:
-            print(f"fulltune: the lease of {self.output_dir} was not refreshed for {window} s, so its job is gone ({describe(holder)}): taking it over", flush=True)
+            print(
+                f"fulltune: the lease of {self.output_dir} was not refreshed for {window} s, so its job is gone ({describe(holder)}): taking it over",
+                flush=True,
+            )
         return taken
 
     def _watch(self, seen: str, window: float, stopping: Callable[[], bool]) -> str | None:
@@ -136,7 +140,9 @@ class Lease:
         deadline = time.monotonic() + window
         while time.monotonic() < deadline:
             if stopping():
-                raise StopAbandoned(f"stopped while waiting for the lease of {self.output_dir}; nothing was written, a retry resumes from the last committed checkpoint")
+                raise StopAbandoned(
+                    f"stopped while waiting for the lease of {self.output_dir}; nothing was written, a retry resumes from the last committed checkpoint"
+                )
             time.sleep(POLL_SECONDS)
             now = self._read()
             if now != seen:
@@ -181,7 +187,8 @@ class Lease:
                         self._write()
             except OSError as error:  # the volume is full or stalled: try again at the next third
                 if not warned:
-                    print(f"fulltune: warning: cannot refresh the lease {self.path}: {error}; retrying every {self.seconds / 3:g} s", file=sys.stderr, flush=True)
+                    why = f"cannot refresh the lease {self.path}: {error}; retrying every {self.seconds / 3:g} s"
+                    print(f"fulltune: warning: {why}", file=sys.stderr, flush=True)
                     warned = True
                 continue
             if self.lost is not None:

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from typing import Any
 
 from trainer.core.config import Config, Precision
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
-from trainer.core.volume import Volume
+from trainer.core.volume import Volume, free_bytes
 from trainer.model.estimate import (  # noqa: F401  (the plan's public names stay here)
     LOSS_TILE_TOKENS,
     LOSS_TILE_VOCAB,
@@ -77,7 +76,11 @@ class Plan:
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.breakdown.items())
         limit = f" of {self.capacity / GB:.1f} GB" if self.capacity else " (no device limit)"
-        sharing = {"none": "", "ddp": f"{self.processes} processes (ddp: a whole model each), per process: ", "fsdp": f"{self.processes} processes (fsdp: 1/{self.processes} of the model each), per process: "}
+        sharing = {
+            "none": "",
+            "ddp": f"{self.processes} processes (ddp: a whole model each), per process: ",
+            "fsdp": f"{self.processes} processes (fsdp: 1/{self.processes} of the model each), per process: ",
+        }
         return (
             f"{sharing[self.strategy]}{self.sequences_per_pass} sequences x {self.passes_per_step} passes per step, activation checkpointing "
             f"{checkpointing_label(self.checkpoint_every, self.layers)}: peak ~{self.peak / GB:.1f} GB{limit} ({parts} GB)"
@@ -104,7 +107,9 @@ def _plan(config: Any, n_params: int, settings: Settings, precision: Precision, 
     return fitting[0] if fitting else min(layouts, key=lambda c: c.peak)
 
 
-def candidates(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1, strategy: str | None = None) -> list[Plan]:
+def candidates(
+    config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1, strategy: str | None = None
+) -> list[Plan]:
     """Every layout the settings allow, fastest first: the fewest passes per step, then the least recomputation.
 
     The plan is the first that fits; a job that runs out of memory anyway can walk down this list (each later one
@@ -150,9 +155,12 @@ def _fixes(config: Any, n_params: int, settings: Settings, precision: Precision,
         if length >= 256 and plan(config, n_params, dataclasses.replace(settings, max_length=length), precision, capacity, "auto", processes).fits:
             fixes.append(f"FT_MAX_LENGTH={length}")
             break
-    one = dataclasses.replace(settings, batch_layout="as-set", batch_size=1, gradient_accumulation_steps=settings.batch_size * settings.gradient_accumulation_steps)
+    sequences = settings.batch_size * settings.gradient_accumulation_steps
+    one = dataclasses.replace(settings, batch_layout="as-set", batch_size=1, gradient_accumulation_steps=sequences)
     if plan(config, n_params, one, precision, capacity, "full", processes).fits:
-        fixes.append(f"FT_BATCH_SIZE=1 FT_GRADIENT_ACCUMULATION_STEPS={one.gradient_accumulation_steps} FT_BATCH_LAYOUT=as-set FT_ACTIVATION_CHECKPOINTING=full")
+        fixes.append(
+            f"FT_BATCH_SIZE=1 FT_GRADIENT_ACCUMULATION_STEPS={one.gradient_accumulation_steps} FT_BATCH_LAYOUT=as-set FT_ACTIVATION_CHECKPOINTING=full"
+        )
     for more in (2, 4, 8, 16, 32, 64):
         if more > processes and plan(config, n_params, dataclasses.replace(settings, distributed="fsdp"), precision, capacity, "auto", more).fits:
             fixes.append(f"FT_NUM_PROCESSES={more} (FSDP across {more} GPUs of this size; more than one machine's GPUs with FT_NUM_NODES)")
@@ -175,10 +183,7 @@ def device_capacity(settings: Settings, cuda: bool) -> float:
 
 def check_disk(settings: Settings, n_params: int, precision: Precision) -> str | None:
     """None when the volume has room for the retained checkpoints and the final model, else the problem."""
-    folder = os.path.abspath(settings.output_dir)
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    free = shutil.disk_usage(folder).free
+    free = free_bytes(settings.output_dir)
     checkpoint_dir = Volume(settings.output_dir).checkpoints
     existing = sum(1 for n in os.listdir(checkpoint_dir) if n.startswith("checkpoint-")) if os.path.isdir(checkpoint_dir) else 0
     steps_saved = settings.max_steps // settings.save_steps
@@ -190,8 +195,9 @@ def check_disk(settings: Settings, n_params: int, precision: Precision) -> str |
     if need <= free:
         return None
     return (
-        f"the volume at {folder} has {free / GB:.1f} GB free; this job needs ~{need / GB:.1f} GB: {new} more checkpoint(s) of "
-        f"{checkpoint / GB:.1f} GB ({'bf16' if precision.weight_bytes == 2 else 'fp32'} weights + AdamW states; FT_SAVE_TOTAL_LIMIT={settings.save_total_limit} + the best "
+        f"the volume at {os.path.abspath(settings.output_dir)} has {free / GB:.1f} GB free; this job needs ~{need / GB:.1f} GB: {new} more checkpoint(s) of "
+        f"{checkpoint / GB:.1f} GB ({'bf16' if precision.weight_bytes == 2 else 'fp32'} weights + AdamW states; "
+        f"FT_SAVE_TOTAL_LIMIT={settings.save_total_limit} + the best "
         f"+ the one being written) and the final model ({final / GB:.1f} GB). Lower FT_SAVE_TOTAL_LIMIT, raise FT_SAVE_STEPS, "
         "or mount a larger FT_OUTPUT_DIR volume."
     )

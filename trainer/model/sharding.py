@@ -132,4 +132,6 @@ class ReportShards(TrainerCallback):
         counts = ranks.gather(held)
         if ranks.is_main():
             shares = " + ".join(f"{n:,}" for n in counts)
-            print(f"fulltune: fsdp: the model's {whole:,} parameter elements, held as {shares} by {len(counts)} processes (largest share {max(counts) / whole:.3f})", flush=True)
+            largest = max(counts) / whole
+            held = f"held as {shares} by {len(counts)} processes (largest share {largest:.3f})"
+            print(f"fulltune: fsdp: the model's {whole:,} parameter elements, {held}", flush=True)

@@ -45,7 +45,10 @@ def flops_per_token(config: Any, n_params: int, mean_sequence: float) -> float:
     return 6 * matmul_params + 12 * s["layers"] * s["q"] * mean_sequence
 
 
-FORMATS = {"loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}", "checkpoint_blocked_s": "{:.2f}", "checkpoint_blocked_share": "{:.3f}"}
+FORMATS = {
+    "loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}",
+    "checkpoint_blocked_s": "{:.2f}", "checkpoint_blocked_share": "{:.3f}",
+}  # fmt: skip
 
 
 def format_line(values: dict[str, Any]) -> str:
@@ -105,7 +108,8 @@ class Progress(TrainerCallback):
         costs = self.checkpoint_costs
         if costs is None or not costs.blocked:
             return
-        print(format_line({"step": f"{state.global_step}/{state.max_steps}", "checkpoint_blocked_s": costs.last, "checkpoint_blocked_share": costs.share}), flush=True)
+        step = f"{state.global_step}/{state.max_steps}"
+        print(format_line({"step": step, "checkpoint_blocked_s": costs.last, "checkpoint_blocked_share": costs.share}), flush=True)
         self.tracker.log_metrics(costs.summary(), state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
