@@ -97,13 +97,20 @@ def test_the_run_holds_the_effective_settings_as_params_and_the_trainers_metrics
 
 @pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_demo_job_registers_a_version_linked_to_its_run_with_metadata(demo_job):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model.loading import describe_size
+
+    out, _ = demo_job
     run = only_run()
     version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
     assert version.run_id == run.info.run_id
     assert version.tags["task"] == "llm/v1/chat"
     assert version.tags["model_family"] == "Qwen3ForCausalLM"
-    assert int(version.tags["parameter_count"]) > 100_000
-    assert version.tags["pretrained_model_name"]
+    saved = AutoModelForCausalLM.from_pretrained(out / "final" / "model")  # what the version serves, counted independently
+    count = sum(p.numel() for p in saved.parameters())
+    assert int(version.tags["parameter_count"]) == count and version.tags["model_size_parameters"] == describe_size(count)
+    assert version.tags["pretrained_model_name"] == "fulltune-demo-tiny-qwen3"  # the demo's base model, not a temporary path
 
 
 @pytest.mark.slow  # the demo job, 40 steps, in a subprocess

@@ -24,6 +24,33 @@ def test_mfu_counts_qwen3_4b_as_27_8_gflop_per_token_at_2048():
     assert progress.peak_flops("NVIDIA H200") == 989e12 and progress.peak_flops("Some CPU") is None
 
 
+def test_tokens_per_s_counts_only_the_time_inside_optimizer_steps_and_the_tokens_since_the_last_line(monkeypatch, capsys):
+    """An evaluation (or a save) between two steps takes wall time but trains no token: it must not lower tokens/s.
+    The clock is the test's, so the expected rate is computed here, independently: 3,000 tokens in 2 x 1.5 s of steps."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    logged = []
+    tracker = SimpleNamespace(log_metrics=lambda values, step: logged.append((step, values)))
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    callback = progress.Progress(tracker, config, 10_000, sequences_per_step=8, cuda=False)
+    state, control = SimpleNamespace(global_step=0, max_steps=10), SimpleNamespace(should_log=False)
+    callback.on_train_begin(None, state, control)
+    callback.on_log(None, state, control, logs={"loss": 3.0, "num_tokens": 500.0})  # the first line: tokens before it are not this window's
+    for seconds_in_step, seconds_outside in [(1.5, 40.0), (1.5, 0.0)]:  # 40 s of evaluation after the first step
+        callback.on_step_begin(None, state, control)
+        now[0] += seconds_in_step
+        state.global_step += 1
+        callback.on_step_end(None, state, control)
+        now[0] += seconds_outside
+    callback.on_log(None, state, control, logs={"loss": 2.5, "num_tokens": 3_500.0, "learning_rate": 1e-5})
+    line = progress.parse_line(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["tokens_per_s"] == "1000" and logged[-1] == (2, {"tokens_per_s": 1000.0, "mem_gb": logged[-1][1]["mem_gb"], "eta_s": logged[-1][1]["eta_s"]})
+
+
 @pytest.mark.slow
 def test_every_logging_step_prints_a_progress_line_and_logs_it_to_mlflow(tmp_path):
     env = job_env(tmp_path / "out", FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_STEPS="10", FT_LOGGING_STEPS="5", FT_REGISTERED_MODEL="")
