@@ -141,7 +141,8 @@ def build_trainer(
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             MetricsCallback(tracker),
             progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs),
-            divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit),  # last: the diverged loss is logged and printed first
+            # last: the diverged loss is logged and printed first
+            divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit, settle=saver.wait_for_saves),
         ],
     )
     trainer.remove_callback(PrinterCallback)  # it prints each raw `logs` dict after the progress line (disable_tqdm=True installs it)

@@ -38,8 +38,9 @@ def diverged(step: int, why: str, checkpoint_dir: str) -> Diverged:
 class StopOnDivergence(TrainerCallback):
     """Counts consecutive logging steps whose loss diverged; at `patience` of them, raises Diverged."""
 
-    def __init__(self, patience: int, limit: float):
+    def __init__(self, patience: int, limit: float, settle=None):
         self.patience, self.limit = patience, limit
+        self.settle = settle  # waits for the checkpoint save in flight, so that the message names the last one committed
         self.streak = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -61,6 +62,8 @@ class StopOnDivergence(TrainerCallback):
         why = self.diverging(float(loss))
         self.streak = self.streak + 1 if why else 0
         if why and self.streak >= self.patience:
+            if self.settle is not None:
+                self.settle()
             raise diverged(state.global_step, f"{why} at {self.streak} logging step(s) in a row (FT_DIVERGENCE_PATIENCE={self.patience})", args.output_dir)
 
 

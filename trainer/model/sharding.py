@@ -17,6 +17,7 @@ then pass with plain `SFTTrainer`).  The layout a checkpoint was saved in (FSDP 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any
@@ -67,6 +68,15 @@ def _job_trainer() -> type:
             it snapshots the state and writes it in the background."""
             saver = self._checkpoint_saver()
             return saver.save_checkpoint(self, trial) if saver else super()._save_checkpoint(model, trial)
+
+        def train(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().train(*args, **kwargs)
+            except BaseException:
+                if saver := self._checkpoint_saver():  # the save in flight ends (or fails) before the error leaves: nothing
+                    with contextlib.suppress(Exception):  # writes the volume behind a step-down's next attempt or the exit
+                        saver.saves.wait()
+                raise
 
         def _load_best_model(self) -> None:
             if saver := self._checkpoint_saver():
