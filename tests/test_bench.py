@@ -84,7 +84,8 @@ def test_gpu_check_dry_run_runs_every_variant_on_cpu_and_the_stepdown_one_steps_
     assert log.count("B parameters; chosen") == 4  # defaults, 4096 tokens, as-set, bf16-sr
     table = {line.split(" | ")[0].lstrip("| "): line.strip(" |").split(" | ")[1:] for line in log.splitlines() if line.startswith("| ")}
     assert "| | literal (one run) | fulltune (one run) | loop (one run) | padded (one run) | stepdown (one run) |" in log
-    assert table["out-of-memory step-downs before it trained"][1:] == ["0", "0", "0", "2"]  # 8 x 1, recomputing 2 of 4 layers, then every layer: 4 x 2 fits
+    # 8 x 1 recomputing none, 1, 2, then all 4 layers (each choice the plan lists), then 4 x 2: it fits
+    assert table["out-of-memory step-downs before it trained"][1:] == ["0", "0", "0", "4"]
     assert float(table["peak memory planned (GB, the plan that trained)"][4]) > 0
     assert table["attention (and its self-check)"][1:] == [
         "per-sequence SDPA loop (no CUDA: no self-check)", "per-sequence SDPA loop (chosen by the benchmark)", "sdpa",
