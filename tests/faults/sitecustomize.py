@@ -107,16 +107,18 @@ def _fill_volume():
 
 
 def _fill_after_commit(module):
+    """Fill the volume right after checkpoint FAULT_FILL_VOLUME_AT is committed (in the save's background thread,
+    before the next save can start: one save is in flight at a time)."""
     step = int(os.environ["FAULT_FILL_VOLUME_AT"])
-    original = module.CommitCheckpoints.on_save
+    original = module.CommitCheckpoints._commit
 
-    def on_save(self, args, state, control, **kwargs):
-        result = original(self, args, state, control, **kwargs)
-        if state.global_step == step:
+    def _commit(self, folder, committed_step, best):
+        result = original(self, folder, committed_step, best)
+        if committed_step == step:
             _fill_volume()
         return result
 
-    module.CommitCheckpoints.on_save = on_save
+    module.CommitCheckpoints._commit = _commit
 
 
 def _fill_before_final_save(module):

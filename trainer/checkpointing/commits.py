@@ -244,6 +244,7 @@ class CommitCheckpoints(TrainerCallback):
         self.last_save = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.saves.raise_if_failed()
         if not self.every_seconds or control.should_save or state.global_step % args.eval_steps:
             return control
         # every rank decides alike (their clocks do not): the main rank's clock decides

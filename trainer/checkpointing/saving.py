@@ -97,6 +97,12 @@ class Saves:
     def in_flight(self) -> bool:
         return self._inflight is not None and not self._inflight.done()
 
+    def raise_if_failed(self) -> None:
+        """Re-raise at once what failed in a save that has ended (a full volume), without waiting for one in flight:
+        the job stops at the step after, naming that checkpoint, instead of training on until the next save."""
+        if self._inflight is not None and self._inflight.done() and self._inflight.exception() is not None:
+            self.wait()
+
     def wait(self) -> float:
         """Wait for the save in flight (re-raising what failed in it); the seconds waited."""
         if self._inflight is None:

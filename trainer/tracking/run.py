@@ -94,7 +94,12 @@ class Tracker:
     def __exit__(self, kind, error, traceback) -> None:
         status = "FINISHED" if error is None else "KILLED" if isinstance(error, Preempted) else "FAILED"
         outcome = {"FINISHED": "finished", "KILLED": "stopped (exit 75)", "FAILED": f"failed ({type(error).__name__})"}[status]
-        self.ended_training(f"{outcome} at step {self.last_step}")
+        try:
+            self.ended_training(f"{outcome} at step {self.last_step}")
+        except OSError as why:  # a full volume: the job's own error (exit 6 naming the checkpoint) must not be replaced
+            if error is None:
+                raise
+            print(f"fulltune: warning: this attempt's ending could not be recorded in {self.volume.run_file} ({why.strerror})", file=sys.stderr, flush=True)
         self.finish(status, raising=error is None)
 
     def began_training(self, from_step: int, started: float) -> None:

@@ -51,6 +51,8 @@ class MlflowLogFilter(logging.Filter):
         if record.name.startswith("mlflow.system_metrics") and message.startswith(("Failed to get mlflow run", "Failed to log system metrics")):
             return False
         record.msg, record.args = scrub(message), None
+        # its tracebacks (a store on a full volume, a refused call) quote SQL and URIs: the job says what failed in one line
+        record.exc_info, record.exc_text = None, None
         return True
 
 
