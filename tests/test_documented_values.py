@@ -303,6 +303,7 @@ ELSEWHERE = {
     "FT_TERMINATION_MESSAGE_PATH": "test_an_empty_termination_message_path_writes_nothing",
     # 4 there, 3 and 12 in tests/test_lease.py; 60 everywhere else
     "FT_LEASE_SECONDS": "test_a_lease_left_by_a_killed_job_is_taken_over_and_each_restart_resumes",
+    "FT_SAVE_EVERY_MINUTES": "test_save_every_minutes_saves_at_the_first_evaluation_step_after_the_interval",  # 0 elsewhere
     "FT_LOG_LEVEL": "test_log_level_debug_shows_the_libraries_lines_and_a_run_shorter_than_the_logging_steps_prints_its_loss",  # info elsewhere
     "FT_DIVERGENCE_PATIENCE": "test_off_with_patience_0_and_a_limit_only_counts_when_set",
     "FT_LOSS_LIMIT": "test_a_loss_above_the_limit_stops_the_job_after_the_patience",

@@ -23,8 +23,8 @@ SCRIPT = textwrap.dedent(
     import sys, time
     from datasets import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
-    from trainer import demo
-    from trainer.checkpoints import CommitCheckpoints
+    from trainer.data import demo
+    from trainer.checkpointing.commits import CommitCheckpoints
 
     out = sys.argv[1]
     tok = demo.build_tokenizer(["a b c d"])
