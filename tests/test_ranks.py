@@ -20,6 +20,7 @@ exchange, flagged_from = ranks.AnyRank(), int(sys.argv[1])
 seen = [exchange.exchange(ranks.world_size() > 1 and int(os.environ["RANK"]) == 1 and step >= flagged_from) for step in range(5)]
 print("SEEN " + json.dumps({"rank": int(os.environ["RANK"]), "seen": seen, "after_last": exchange.settle(),
                             "blocking": ranks.any_rank(int(os.environ["RANK"]) == 0)}), flush=True)
+dist.destroy_process_group()  # no gloo thread left to end with the interpreter
 """
 
 
