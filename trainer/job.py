@@ -283,8 +283,9 @@ def _checkpoint_cost(config: Config, plan: memory.Plan) -> str:
     size = config.precision.checkpoint_bytes * n_params
     staging = memory.checkpoint_staging_bytes(config.precision, n_params, plan.strategy, config.world_size)
     speed = saving.write_speed(Volume(config.settings.output_dir).state) if ranks.is_main() else None
-    measured = f"~{size / speed:.1f} s at the volume's measured {speed / 1e9:.2f} GB/s"
-    write = measured if speed else "write time unknown (the volume's speed could not be measured)"
+    write = "write time unknown (the volume's speed could not be measured)"
+    if speed:
+        write = f"~{size / speed:.1f} s at the volume's measured {speed / 1e9:.2f} GB/s"
     return f"each checkpoint ~{size / 1e9:.2f} GB (weights + AdamW states), written in the background: {write}; host staging {staging / 1e9:.2f} GB per process"
 
 
