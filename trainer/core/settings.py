@@ -398,22 +398,3 @@ def changing(settings: Settings, what: tuple[str, ...]) -> dict[str, Any]:
     """The values of the settings whose `changes` is in `what`: the data cache key takes ("data",), the
     resume fingerprint ("data", "training")."""
     return {s.name: getattr(settings, s.name) for s in TABLE if s.changes in what}
-
-
-def readme_table() -> str:
-    """Old name of `settings_doc.settings_table`, kept until the branches that call it are merged."""
-    from trainer.core import settings_doc  # imported here: settings_doc imports this module
-
-    return settings_doc.settings_table()
-
-
-def update_readme(path: str = "README.md") -> None:
-    """Old name of `python -m trainer.core.settings_doc` (which knows its files: `path` is ignored), kept until
-    the branches that call it are merged."""
-    from trainer.core import settings_doc
-
-    settings_doc.regenerate()
-
-
-if __name__ == "__main__":
-    update_readme()

@@ -213,11 +213,7 @@ class Lease:
         write_json(self.path, self.record)
 
     def _read(self) -> str | None:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
+        return _text_or_none(self.path)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -257,11 +253,7 @@ class Lease:
         return holder.get("attempt") != self.record["attempt"] and self._gone_from_this_machine(holder)
 
     def _read_lock(self) -> str | None:
-        try:
-            with open(self.lock, encoding="utf-8") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
+        return _text_or_none(self.lock)
 
 
 def _parse(text: str) -> dict[str, Any]:
@@ -286,3 +278,12 @@ def _this_pid_namespace() -> dict[str, str]:
         return {"boot_id": boot, "pid_namespace": os.readlink("/proc/self/ns/pid")}
     except OSError:
         return {}
+
+
+def _text_or_none(path: str) -> str | None:
+    """The file's text, or None when it does not exist (the lease and its lock come and go)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
