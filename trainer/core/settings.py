@@ -7,11 +7,7 @@ are reported together (environs' `eager=False` + `seal()`), before anything heav
 once per job, in entrypoint.py; the training process receives the result (trainer/core/config.py), never
 the environment.
 
-Precedence, highest first:
-  1. an explicit `FT_*` variable;
-  2. what the detected platform provides (SageMaker, Vertex AI, AWS Batch; see `platforms.py`);
-  3. the preset's defaults (`FT_PRESET=demo`);
-  4. the field's default (the reference recipe).
+Which value wins (explicit, platform, preset, default) is precedence.py's; the words of a refusal are refusals.py's.
 """
 
 from __future__ import annotations
@@ -24,9 +20,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from trainer.core.errors import ConfigError
-from trainer.core.volume import Volume
+from trainer.core.precedence import PREFIX
 
-PREFIX = "FT_"
 SECRET_NAME = re.compile(r"TOKEN|PASSWORD|SECRET|CREDENTIAL|API_KEY|ACCESS_KEY|CONNECTION_STRING", re.I)
 CHANGES = ("", "data", "training")  # what a setting changes: nothing of the result, the tokenized data, or the training
 INT_MAX = 2**31 - 1  # the largest integer setting unless its field says otherwise: every count stays a 32-bit integer downstream
@@ -254,46 +249,17 @@ TABLE = _table()
 BY_ENV_NAME = {s.env_name: s for s in TABLE}
 
 
-def preset_defaults(preset: str, output_dir: str) -> dict[str, str]:
-    """Defaults a preset changes; explicit variables still override them."""
-    if preset != "demo":
-        return {}
-    demo = Volume(output_dir).demo
-    return {
-        "FT_MODEL": os.path.join(demo, "model"),
-        "FT_DATASET": os.path.join(demo, "data", "train.jsonl"),
-        "FT_MAX_STEPS": "40",
-        "FT_LEARNING_RATE": "1e-3",
-        "FT_WARMUP_STEPS": "4",
-        "FT_BATCH_SIZE": "4",
-        "FT_GRADIENT_ACCUMULATION_STEPS": "2",
-        "FT_EVAL_STEPS": "20",
-        "FT_SAVE_STEPS": "20",
-        "FT_LOGGING_STEPS": "5",
-        "FT_EVAL_BATCH_SIZE": "16",
-        "FT_MAX_LENGTH": "256",
-        "FT_REGISTERED_MODEL": "demo.default.tiny_qwen3_assistant",
-        "FT_EVAL_SAMPLE_TOKENS": "16",  # the longest demo answer is 13 tokens with its end-of-turn token
-    }
-
-
 def load(environ: Mapping[str, str] | None = None) -> Settings:
     """Parse and validate every `FT_*` variable; raise one ConfigError listing all problems."""
     from environs import EnvValidationError
     from marshmallow.validate import OneOf, Range
 
-    from trainer.core import cluster, locations, platforms
+    from trainer.core import locations, precedence, refusals  # refusals.py reads the table above
 
     environ = dict(os.environ if environ is None else environ)
     unknown = sorted(k for k in environ if k.upper().startswith(PREFIX) and k not in BY_ENV_NAME)  # `ft_max_steps` too: never ignored silently
-    platform, platform_env = platforms.detect(environ)  # honours FT_PLATFORM itself
-    _, cluster_env = cluster.detect(environ)
-    layered = {**platform_env, **cluster_env, **environ}
-    preset = layered.get("FT_PRESET", "none")
-    output_dir = layered.get("FT_OUTPUT_DIR", "/output")
-    layered = {**preset_defaults(preset, output_dir), **platform_env, **cluster_env, **environ}  # the platform mounted the user's data: it wins over the preset
-
-    env = _layered_env(layered)
+    platform, layered = precedence.layered(environ)
+    env = precedence.reader(layered)
     values = {}
     for s in TABLE:
         key = s.name.upper()
@@ -313,77 +279,14 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         for name, messages in error.error_messages.items():
             problems[name] = "; ".join(str(m).rstrip(".") for m in messages) + f" (allowed: {BY_ENV_NAME[name].allowed})"
     for name in unknown:
-        problems[name] = _not_a_setting(name)
+        problems[name] = refusals.not_a_setting(name)
     if not problems:
-        problems.update(_cross_checks(values))
+        problems.update(refusals.cross_checks(values))
         values = {k: v + 0.0 if isinstance(v, float) else v for k, v in values.items()}  # -0 is 0: the same fingerprint, the same params
     if problems:
-        lines = [f"  {name}={_shown(name, layered.get(name))!s}: {why}" for name, why in sorted(problems.items())]
+        lines = [f"  {name}={refusals.shown(name, layered.get(name))!s}: {why}" for name, why in sorted(problems.items())]
         raise ConfigError(f"{len(problems)} invalid setting(s):\n" + "\n".join(lines))
     return Settings(**values, detected_platform=platform)
-
-
-def _layered_env(values: Mapping[str, str]) -> Any:
-    from environs import Env
-
-    class LayeredEnv(Env):
-        """environs reads `os.environ`; this reads the layered values (preset < platform < explicit) instead,
-        so parsing neither changes nor depends on the process environment.
-
-        `_get_value` is private (environs 15.2.0: `os.environ[key]`, then `self._environ`), and environs has no
-        public way to parse a mapping; the alternative, writing the values into `os.environ` for the parse, would
-        change the process environment.  Remove this once `Env` accepts a mapping (tests/test_settings.py fails
-        loudly if the method is renamed: no FT_* value would be read)."""
-
-        def _get_value(self, env_key: str, default: Any) -> Any:
-            return values.get(env_key, default)
-
-    return LayeredEnv(prefix=PREFIX, eager=False)
-
-
-def _cross_checks(values: dict[str, Any]) -> dict[str, str]:
-    """Rules that involve two settings; each names the variable to change."""
-    problems = {}
-    if values["save_steps"] % values["eval_steps"]:
-        problems["FT_SAVE_STEPS"] = (f"must be a multiple of FT_EVAL_STEPS={values['eval_steps']} so "
-                                     "every checkpoint has an eval loss for picking the best model")
-    if values["batch_size"] * values["gradient_accumulation_steps"] > MAX_SEQUENCES_PER_STEP:
-        problems["FT_BATCH_SIZE"] = (f"times FT_GRADIENT_ACCUMULATION_STEPS={values['gradient_accumulation_steps']} "
-                                     f"must be at most {MAX_SEQUENCES_PER_STEP} sequences per optimizer step")
-    if not 0.0 <= values["eval_fraction"] < 1.0:
-        problems["FT_EVAL_FRACTION"] = "must be >= 0 and < 1"
-    if not values["output_dir"].strip():
-        problems["FT_OUTPUT_DIR"] = "must name a folder (the mounted volume)"
-    if not values["model"].strip():
-        problems["FT_MODEL"] = "must name a hub id or a local folder"
-    if not values["dataset"].strip():
-        problems["FT_DATASET"] = "must name a hub id, a folder or files"
-    if values["node_rank"] >= values["num_nodes"]:
-        problems["FT_NODE_RANK"] = f"must be below FT_NUM_NODES={values['num_nodes']} (nodes are numbered from 0)"
-    if values["num_nodes"] > 1 and not values["master_addr"].strip():
-        problems["FT_MASTER_ADDR"] = "must name node 0 (its host name or address) when FT_NUM_NODES > 1"
-    name = values["registered_model"]
-    if name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
-        problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"
-    return problems
-
-
-def _not_a_setting(name: str) -> str:
-    """The refusal of an unknown FT_* name, with the setting it most likely meant (difflib, as argparse suggests choices)."""
-    import difflib
-
-    if name.upper() in BY_ENV_NAME:
-        return f"is not a fulltune setting: variable names are case-sensitive; did you mean {name.upper()}?"
-    close = difflib.get_close_matches(name.upper(), BY_ENV_NAME, n=1, cutoff=0.8)
-    return "is not a fulltune setting" + (f"; did you mean {close[0]}?" if close else " (see the README's table of variables)")
-
-
-def _shown(name: str, value: str | None) -> str:
-    if value is None:
-        return "<unset>"
-    if SECRET_NAME.search(name):
-        return "****"
-    return repr(value)
 
 
 def as_params(settings: Settings) -> dict[str, str]:

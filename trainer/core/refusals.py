@@ -1,0 +1,57 @@
+"""Why a setting is refused, in words that name the variable and the fix: the rules that involve two settings, an
+unknown `FT_*` name's likely meaning, and the refused value as the error shows it (secrets masked).
+
+settings.py's `load` gathers these with environs' own per-variable errors into one ConfigError (exit 2).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from trainer.core.settings import BY_ENV_NAME, MAX_SEQUENCES_PER_STEP, SECRET_NAME
+
+
+def cross_checks(values: dict[str, Any]) -> dict[str, str]:
+    """Rules that involve two settings; each names the variable to change."""
+    problems = {}
+    if values["save_steps"] % values["eval_steps"]:
+        problems["FT_SAVE_STEPS"] = (f"must be a multiple of FT_EVAL_STEPS={values['eval_steps']} so "
+                                     "every checkpoint has an eval loss for picking the best model")
+    if values["batch_size"] * values["gradient_accumulation_steps"] > MAX_SEQUENCES_PER_STEP:
+        problems["FT_BATCH_SIZE"] = (f"times FT_GRADIENT_ACCUMULATION_STEPS={values['gradient_accumulation_steps']} "
+                                     f"must be at most {MAX_SEQUENCES_PER_STEP} sequences per optimizer step")
+    if not 0.0 <= values["eval_fraction"] < 1.0:
+        problems["FT_EVAL_FRACTION"] = "must be >= 0 and < 1"
+    if not values["output_dir"].strip():
+        problems["FT_OUTPUT_DIR"] = "must name a folder (the mounted volume)"
+    if not values["model"].strip():
+        problems["FT_MODEL"] = "must name a hub id or a local folder"
+    if not values["dataset"].strip():
+        problems["FT_DATASET"] = "must name a hub id, a folder or files"
+    if values["node_rank"] >= values["num_nodes"]:
+        problems["FT_NODE_RANK"] = f"must be below FT_NUM_NODES={values['num_nodes']} (nodes are numbered from 0)"
+    if values["num_nodes"] > 1 and not values["master_addr"].strip():
+        problems["FT_MASTER_ADDR"] = "must name node 0 (its host name or address) when FT_NUM_NODES > 1"
+    name = values["registered_model"]
+    if name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
+        problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"
+    return problems
+
+
+def not_a_setting(name: str) -> str:
+    """The refusal of an unknown FT_* name, with the setting it most likely meant (difflib, as argparse suggests choices)."""
+    import difflib
+
+    if name.upper() in BY_ENV_NAME:
+        return f"is not a fulltune setting: variable names are case-sensitive; did you mean {name.upper()}?"
+    close = difflib.get_close_matches(name.upper(), BY_ENV_NAME, n=1, cutoff=0.8)
+    return "is not a fulltune setting" + (f"; did you mean {close[0]}?" if close else " (see the README's table of variables)")
+
+
+def shown(name: str, value: str | None) -> str:
+    if value is None:
+        return "<unset>"
+    if SECRET_NAME.search(name):
+        return "****"
+    return repr(value)
