@@ -22,7 +22,7 @@ from trainer.core.errors import Preempted
 from trainer.core.files import staged
 from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
-from trainer.data import demo
+from trainer.data import data_report, demo
 from trainer.data import prepare as data
 from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
@@ -67,7 +67,7 @@ def run(config: Config, tracker: Tracker) -> None:
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
     with tracker:
-        tracker.log(**data.tracked(prepared.report))
+        tracker.log(**data_report.tracked(prepared.report))
         run_report = report.RunReport(_report_facts(config, plan, prepared), tracker, committed=lambda: _committed(volume))
         trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker)
         metadata = save_final(config, trainer, tokenizer, volume, tracker)
@@ -89,7 +89,7 @@ def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared) ->
         max_steps=settings.max_steps,
         output_dir=settings.output_dir,
         plan={"peak": plan.peak, "breakdown": plan.breakdown, "described": plan.describe(), "cuda": config.cuda},
-        data_report=data.report_text(prepared.report),
+        data_report=data_report.report_text(prepared.report),
         hyperparameters=settings_table.as_params(settings),
     )
 
