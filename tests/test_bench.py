@@ -16,8 +16,7 @@ def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatc
     from trainer import job
     from trainer.checkpointing import commits as checkpoints
     from trainer.model import attention, memory, recipe, sharding
-    from trainer.tracking import progress
-    from trainer.tracking import run as tracking
+    from trainer.tracking import metrics, progress
 
     synthetic.build(str(tmp_path), rows=40, mean_tokens=48, gpu=False, config_path="", vocab=300)
     args = bench_run.parse(["--steps", "2", "--eval-steps", "1", "--no-mlflow", "--work", str(tmp_path)])
@@ -38,7 +37,7 @@ def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatc
     assert built == [trainer], "bench/child.py must build the fulltune variant with trainer.job.build_trainer"
     assert isinstance(trainer, trl.SFTTrainer) and type(trainer) is sharding.trainer_class(config.cuda, plan.strategy)  # the job's class
     callbacks = trainer.callback_handler.callbacks
-    for kind in (checkpoints.CommitCheckpoints, progress.Progress, tracking.MetricsCallback):
+    for kind in (checkpoints.CommitCheckpoints, progress.Progress, metrics.MetricsCallback):
         assert any(isinstance(c, kind) for c in callbacks), kind
     assert timer in callbacks
     assert trainer.args.to_dict() == expected

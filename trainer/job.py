@@ -28,7 +28,8 @@ from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
 from trainer.tracking import packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
-from trainer.tracking.run import MetricsCallback, Tracker
+from trainer.tracking.metrics import MetricsCallback
+from trainer.tracking.run import Tracker
 
 STARTED = time.perf_counter()  # the training process's start, for the summary line and FT_LOG_LEVEL=debug's timings
 

@@ -73,7 +73,7 @@ class Progress(TrainerCallback):
     """Print the progress line at every logging step and log its numbers to the active MLflow run.
 
     Its numbers go to the job's run through the tracker (the Trainer's own `logs` are logged by
-    tracking.run.MetricsCallback).  The last step is always logged, so a run shorter than FT_LOGGING_STEPS
+    tracking.metrics.MetricsCallback).  The last step is always logged, so a run shorter than FT_LOGGING_STEPS
     still prints its training loss.
     """
 

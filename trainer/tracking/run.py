@@ -16,31 +16,26 @@ the outbox's thread (trainer/tracking/outbox.py), so an outage stalls nothing; a
 registration and the run's status wait for it up to FT_REGISTRATION_RETRY_SECONDS, past which the job exits 3
 with what was not sent kept on the volume.  Rank 0 alone tracks (mlflow #11782); elsewhere every call is a no-op.
 
-The run id is kept on the volume (trainer/tracking/runfile.py): transformers' MLflowCallback would start a new run
-on every restart (transformers #30563) and log every TrainingArguments field; `MetricsCallback` replaces it.  The
-run is driven with MlflowClient and its id, never MLflow's "active run", which belongs to the thread that started it.
+The run is opened, or continued from the id kept on the volume, by trainer/tracking/opening.py; the Trainer's own
+metrics come in through `MetricsCallback` (trainer/tracking/metrics.py).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 import threading
 import time
 from typing import Any
 
-from transformers import TrainerCallback
-
 from trainer.core import ranks
-from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.errors import Preempted, RegistrationFailed
-from trainer.core.files import read_json, write_json
+from trainer.core.files import write_json
 from trainer.core.volume import Volume
-from trainer.tracking import delivery, registry, runfile, store
+from trainer.tracking import delivery, opening, registry, runfile, store
 from trainer.tracking.outbox import Outbox
-from trainer.tracking.server import gist, redact, servers_answer
+from trainer.tracking.server import redact, servers_answer
 
 STOPPING_SECONDS = 10.0  # a stopped or failed job waits this long for the server before keeping the rest on the volume
 OPENING_SECONDS = 120.0  # a run still opening when the job ends (a fresh store on a busy machine): waited for at least this long
@@ -121,41 +116,14 @@ class Tracker:
         return runfile.attempts(self.volume.run_file) if self.enabled else []
 
     def _open_run(self) -> None:
-        """Continue the job's run if the volume names one, else start it and log the effective configuration; then
-        send to it what an earlier attempt could not send, then what was logged while it opened."""
-        from mlflow import MlflowClient
-        from mlflow.entities import Param
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking.context.registry import resolve_tags
-
+        """Open the run (trainer/tracking/opening.py); then send to it what an earlier attempt could not send, then
+        what was logged while it opened."""
         began = time.perf_counter()
-        experiment_id = store.connect(self.settings)
-        client = MlflowClient()
-        run_id = runfile.run_id(self.volume.run_file)
-        run = None
-        if run_id:
-            try:
-                run = client.get_run(run_id)
-                client.update_run(run_id, status="RUNNING")
-            except MlflowException:
-                print(f"fulltune: MLflow run {run_id} named on the volume is not on this server: starting a new run", flush=True)
-                run = None
-        if run is None:
-            run = client.create_run(experiment_id, tags=resolve_tags(), run_name=self.config.run_name)
-            params = settings_table.as_params(self.settings) | {"precision": self.config.precision.name}
-            client.log_batch(run.info.run_id, params=[Param(key, value) for key, value in params.items()], synchronous=True)
-            runfile.update(self.volume.run_file, self._lock, run_id=run.info.run_id, tracking_uri=redact(client.tracking_uri))
-        if self.settings.system_metrics:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # what mlflow.start_run starts
-
-            self._monitor = SystemMetricsMonitor(run.info.run_id, resume_logging=run_id is not None)
-            self._monitor.start()
-        unsent = read_json(self.volume.unsent_tracking, []) if run_id else []
-        recalled = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] for key in sorted(run.data.metrics)}
-        outbox = Outbox(lambda item: delivery.send(run.info.run_id, item), servers_answer, redact(client.tracking_uri), gist)
+        opened = opening.open_run(self.config, self.volume, self._lock)
+        self._monitor, recalled, unsent, outbox = opened.monitor, opened.recalled, opened.unsent, opened.outbox
         with self._lock:
-            self.run_id = run.info.run_id
-            self._facts = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": redact(client.tracking_uri)}
+            self.run_id = opened.run_id
+            self._facts = opened.facts
             for item in unsent:
                 _remember(recalled, item.get("metrics") or [])
             for key, points in self._history.items():  # what this attempt logged while the run opened comes after
@@ -322,18 +290,3 @@ def _thread(name: str, target) -> threading.Thread:
 def _remember(history: dict[str, list[tuple[int, float]]], metrics: list[list[Any]]) -> None:
     for key, value, _timestamp, step in metrics:
         history.setdefault(key, []).append((step, value))
-
-
-class MetricsCallback(TrainerCallback):
-    """What the Trainer logs (loss, eval_loss, learning_rate, grad_norm, ...) as metrics of the job's run, at the
-    optimizer step.  Numbers only, names sanitised as transformers' MLflowCallback does."""
-
-    def __init__(self, tracker: Tracker):
-        self.tracker = tracker
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        metrics = {re.sub(r"[^0-9A-Za-z_\-\.\ :/]", "_", k): float(v) for k, v in (logs or {}).items() if isinstance(v, int | float)}
-        if metrics:
-            self.tracker.log_metrics(metrics, step=state.global_step)
