@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
-from trainer.checkpointing import diskfull, divergence, preemption, saving
+from trainer.checkpointing import diskfull, divergence, preemption
 from trainer.core import config as job_config
 from trainer.core import locations, ranks
 from trainer.core import settings as settings_table
@@ -26,7 +26,7 @@ from trainer.data import data_report, demo
 from trainer.data import prepare as data
 from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
-from trainer.tracking import packaging, progress, quiet, report, samples, summary
+from trainer.tracking import overview, packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker
@@ -64,7 +64,7 @@ def run(config: Config, tracker: Tracker) -> None:
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     job_config.check_fingerprint(config)
-    _print_plan(config, prepared, plan)
+    overview.print_plan(config, prepared, plan)
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
     with tracker:
@@ -138,7 +138,7 @@ def build_trainer(
             saver,
             *callbacks,
             *([sharding.ReportShards()] if plan.strategy == "fsdp" else []),
-            *_sample_answers(config, tokenizer, prepared, plan, tracker),
+            *samples.callbacks(config, tokenizer, prepared, plan, tracker),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             MetricsCallback(tracker),
             progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs),
@@ -148,16 +148,6 @@ def build_trainer(
     )
     trainer.remove_callback(PrinterCallback)  # it prints each raw `logs` dict after the progress line (disable_tqdm=True installs it)
     return trainer
-
-
-def _sample_answers(config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, tracker: Tracker) -> list[Any]:
-    """The callback that answers FT_EVAL_SAMPLES validation prompts at step 0 and every evaluation (none under FSDP)."""
-    settings = config.settings
-    if not settings.eval_samples or prepared.eval is None or plan.strategy == "fsdp":
-        return []
-    chosen = samples.pick(prepared.eval, settings.eval_samples, settings.seed, tokenizer)
-    bf16 = config.cuda and config.precision.bf16
-    return [samples.SampleAnswers(tracker, tokenizer, chosen, settings.eval_sample_tokens, settings.output_dir, bf16)] if chosen else []
 
 
 def train(
@@ -222,18 +212,13 @@ def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume, tra
     }
     with diskfull.reported(volume.root, lambda: diskfull.while_saving_final(volume, config.precision.serving_bytes * n_params)):
         with staged(volume.final) as partial:
-            packaging.save_model(net, tokenizer, partial, metadata, served_name=_served_name(settings.registered_model, metadata["pretrained_model_name"]))
+            served = locations.served_name(settings.registered_model, metadata["pretrained_model_name"])
+            packaging.save_model(net, tokenizer, partial, metadata, served_name=served)
             follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
         volume.mark_saved(metadata)
     tracker.log(artifacts={"model_metadata.json": metadata})
     shutil.rmtree(volume.gathered, ignore_errors=True)
     return metadata
-
-
-def _served_name(registered: str, base: str) -> str:
-    """The name the served model answers with: the registered name, else the base model's hub id (a local base
-    model's folder name: a path says nothing to a chat client)."""
-    return registered or (os.path.basename(os.path.normpath(base)) if os.path.isdir(base) else base)
 
 
 def _whole_model(trainer: Any, volume: Volume) -> Any:
@@ -254,40 +239,6 @@ def _register(config: Config, volume: Volume, metadata: dict[str, str], tracker:
     version = tracker.register(volume.final, metadata)
     volume.mark_registered(version)
     print(f"fulltune: registered {version}", flush=True)
-
-
-def _print_plan(config: Config, prepared: data.Prepared, plan: memory.Plan) -> None:
-    """What a user would otherwise work out by hand, printed once."""
-    settings = config.settings
-    per_rank = settings.batch_size * settings.gradient_accumulation_steps
-    effective = per_rank * config.world_size
-    ranks_line = f" x {config.world_size} processes ({plan.strategy})" if config.world_size > 1 else ""
-    by_time = f" or at the first evaluation {settings.save_every_minutes:g} min after the last" if settings.save_every_minutes else ""
-    early = f" (stop after {settings.early_stopping_patience} without improvement)" if settings.early_stopping_patience else ""
-    n_train, n_eval = len(prepared.train), len(prepared.eval) if prepared.eval is not None else 0
-    print(
-        "fulltune: plan\n"
-        f"  model {settings.model} ({config.precision.name}), data {settings.dataset}: {n_train} train / {n_eval} validation rows\n"
-        f"  {settings.max_steps} steps x effective batch {effective} ({settings.batch_size} x {settings.gradient_accumulation_steps} accumulation{ranks_line})"
-        f" = {settings.max_steps * effective} sequences, {settings.max_steps * effective / max(n_train, 1):.2f} epochs,"
-        f" up to {effective * settings.max_length} tokens per step\n"
-        f"  eval every {settings.eval_steps} steps{early}, checkpoint every {settings.save_steps} steps{by_time} (keep {settings.save_total_limit} + best)"
-        f" in {Volume(settings.output_dir).checkpoints}\n"
-        f"  {_checkpoint_cost(config, plan)}",
-        flush=True,
-    )
-
-
-def _checkpoint_cost(config: Config, plan: memory.Plan) -> str:
-    """The checkpoint's size and how long the volume takes to write it (measured now: 32 MiB, flushed)."""
-    n_params = model.parameter_count(model.read_config(config.settings))
-    size = config.precision.checkpoint_bytes * n_params
-    staging = memory.checkpoint_staging_bytes(config.precision, n_params, plan.strategy, config.world_size)
-    speed = saving.write_speed(Volume(config.settings.output_dir).state) if ranks.is_main() else None
-    write = "write time unknown (the volume's speed could not be measured)"
-    if speed:
-        write = f"~{size / speed:.1f} s at the volume's measured {speed / 1e9:.2f} GB/s"
-    return f"each checkpoint ~{size / 1e9:.2f} GB (weights + AdamW states), written in the background: {write}; host staging {staging / 1e9:.2f} GB per process"
 
 
 def main() -> int:

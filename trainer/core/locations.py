@@ -94,6 +94,12 @@ def registered_name(spec: str) -> str:
     return f"main.default.{slug}_sft"
 
 
+def served_name(registered: str, base: str) -> str:
+    """The name the served model answers with: the registered name, else the base model's hub id (a local base
+    model's folder name: a path says nothing to a chat client)."""
+    return registered or (os.path.basename(os.path.normpath(base)) if os.path.isdir(base) else base)
+
+
 def _nearest(path: str) -> str:
     """Where the path stops existing, and what is there: `; /data holds a.jsonl, b.jsonl`."""
     parent = os.path.dirname(path)

@@ -21,8 +21,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer.core.config import Config
 from trainer.core.files import append_lines, write_text
 from trainer.core.volume import Volume
+from trainer.data.prepare import Prepared
+from trainer.model.memory import Plan
 from trainer.tracking.run import Tracker
 
 TABLE = "eval_samples.json"  # the MLflow run's artifact
@@ -92,6 +95,16 @@ def answers(net: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: 
 
 def decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def callbacks(config: Config, tokenizer: Any, prepared: Prepared, plan: Plan, tracker: Tracker) -> list[Any]:
+    """The callback that answers FT_EVAL_SAMPLES validation prompts at step 0 and every evaluation (none under FSDP)."""
+    settings = config.settings
+    if not settings.eval_samples or prepared.eval is None or plan.strategy == "fsdp":
+        return []
+    chosen = pick(prepared.eval, settings.eval_samples, settings.seed, tokenizer)
+    bf16 = config.cuda and config.precision.bf16
+    return [SampleAnswers(tracker, tokenizer, chosen, settings.eval_sample_tokens, settings.output_dir, bf16)] if chosen else []
 
 
 class SampleAnswers(TrainerCallback):
