@@ -86,6 +86,13 @@ def assert_usable(config: job_config.Config) -> None:
     recipe.sft_config(values, config.precision, plan, cuda=False)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def imported_once():
+    """The first parse imports trl and the recipe (seconds on a busy machine): done here, so the deadline times each
+    example's own work."""
+    assert_usable(parse({"FT_PLATFORM": "none", "FT_OUTPUT_DIR": "/nonexistent/volume"}))
+
+
 @pytest.mark.faults("arbitrary strings in one FT_* variable")
 @FUZZ
 @given(name=st.sampled_from(NAMES), value=VALUES)
