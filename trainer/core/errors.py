@@ -112,8 +112,8 @@ class SmallestPlanOutOfMemory(OutOfMemory):
 class StepDownRestart(FulltuneError):
     """Out of GPU memory on one of several processes: the next plan down is recorded on the volume and the processes
     end (the other ranks cannot be told in time); the launcher restarts them at that plan (trainer/launch/launcher.py),
-    or, across nodes, the orchestrator's retry does.  75 as after a stop: every deployment here retries it without counting a failure,
-    and the retries end, one plan lower each time, at exit 4."""
+    or, across nodes, the orchestrator's retry does.  75 as after a stop: every deployment here retries it (Kubernetes without counting
+    a failure), and the retries end, one plan lower each time, at exit 4 at the latest."""
 
     exit_code = 75
     show_traceback = False

@@ -142,6 +142,7 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
         print(f"fulltune: {_stepped_down(record, config.world_size, plans)}: restarting the {config.world_size} processes there (the same updates) "
               f"from the last committed checkpoint (step 0 before the first); the errors of the other processes above follow from it", flush=True)
         ending.write_termination_message("")  # the ended processes' exit lines no longer say how the job ends
+        stops.child = None  # a stop before the next start is answered as one while starting (76), never as the 0 of a start skipped
     if stops.ended:
         return returncode  # the caller says why (trainer/launch/lease.py)
     if stops.abandoned:
