@@ -58,7 +58,71 @@ def _recorded(tmp_path, codes: dict[int, str]) -> str:
         ({0: "0", 2: "5", 10: "6"}, 1, 5),  # ranks sort as numbers, not as text ("10" < "2")
         ({0: "", 1: "0"}, 1, 1),  # an empty record is a failure (1), not a success
         ({1: "75"}, 1, 75),  # rank 0 did not record, another did
+        ({0: "1", 1: "4"}, 1, 4),  # rank 1 out of memory at the smallest plan, rank 0 then failed on its lost peer: 4, not 1
+        ({0: "1", 1: "1", 2: "75"}, 1, 75),  # rank 2 stepped down, the others lost it: the code that says why
     ],
 )
 def test_the_job_exit_code_follows_local_rank_0_then_the_first_failing_rank_then_torchrun(tmp_path, codes, torchrun_code, expected):
     assert launch._job_exit_code(_recorded(tmp_path, codes), torchrun_code) == expected
+
+
+# Stands in for torchrun and its two ranks: start n records FAKE_PLANS[n] as the next plan down and fails as a step-down does
+# (rank 1 out of memory: 75; rank 0 on its lost peer: 1); once the list is used up, both ranks succeed.
+FAKE_TORCHRUN = """
+import json, os, sys
+volume, starts = sys.argv[1], sys.argv[2]
+with open(starts, "a") as f:
+    f.write("x")
+n, plans, exit_file = len(open(starts).read()) - 1, json.loads(os.environ["FAKE_PLANS"]), os.environ["FULLTUNE_EXIT_FILE"]
+if n < len(plans):
+    os.makedirs(os.path.join(volume, ".fulltune"), exist_ok=True)
+    record = {"plan": plans[n], "out_of_memory": [{"plan": [4, 1, 0], "measured_peak_bytes": 8.1e10, "measured_by": "torch.cuda.max_memory_allocated"}]}
+    with open(os.path.join(volume, ".fulltune", "memory-plan.json"), "w") as f:
+        json.dump(record, f)
+codes = ("1", "75") if n < len(plans) else ("0", "0")
+for rank, code in enumerate(codes):
+    with open(f"{exit_file}.{rank}", "w") as f:
+        f.write(code)
+sys.exit(int(codes[0] != "0"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("nodes", "plans", "code", "starts"),
+    [
+        (1, [[2, 2, 0]], 0, 2),  # one step down: the launcher starts the processes again, the job ends 0
+        (1, [[2, 2, 0], [1, 4, 0]], 0, 3),  # one restart per plan down
+        (1, [[2, 2, 0], [1, 4, 0], [2, 2, 0]], 75, 3),  # a plan it already restarted at: no third restart, the retry's 75
+        (2, [[2, 2, 0]], 75, 1),  # several nodes: the other launchers are not this one's to restart, the orchestrator retries
+        (1, [], 0, 1),
+    ],
+)
+def test_a_step_down_of_several_processes_restarts_them_on_one_node_once_per_plan_and_exits_75_across_nodes(
+    tmp_path, monkeypatch, capsys, nodes, plans, code, starts
+):
+    import json
+    import signal
+
+    from trainer.core import config as job_config
+    from trainer.core import settings as settings_table
+
+    script, counter, volume = tmp_path / "torchrun.py", tmp_path / "starts", tmp_path / "volume"
+    script.write_text(FAKE_TORCHRUN, encoding="utf-8")
+    values = {"FT_OUTPUT_DIR": str(volume), "FT_NUM_PROCESSES": "2", "FT_DISTRIBUTED": "ddp", "FT_TERMINATION_MESSAGE_PATH": str(tmp_path / "termination")}
+    values |= {"FT_NUM_NODES": "2", "FT_NODE_RANK": "0", "FT_MASTER_ADDR": "127.0.0.1"} if nodes > 1 else {}
+    config = job_config.build(settings_table.load(values), cuda=False, bf16_supported=False)
+    monkeypatch.setattr(launch, "torchrun_command", lambda _: ([sys.executable, str(script), str(volume), str(counter)], dict(os.environ)))
+    monkeypatch.setenv("FAKE_PLANS", json.dumps(plans))
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert launch.run_under_accelerate(config, launch.StopForwarder()) == code
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    out, err = capsys.readouterr()
+    assert len(counter.read_text()) == starts
+    assert out.count("restarting the 2 processes there") == (starts - 1 if nodes == 1 else 0), out
+    if nodes > 1:
+        line = next(line for line in err.splitlines() if line.startswith("fulltune: exit 75: "))
+        assert "out of GPU memory on one of the 4 processes with 4 sequences x 1 passes per process, recomputation off (measured peak 81.0 GB" in line, line
+        assert "2 sequences x 2 passes per process, recomputation off, is recorded in" in line and "orchestrator's retry" in line, line

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from conftest import committed_steps, job_env, max_weight_difference, run_job, termination_message, with_faults
+from conftest import committed_steps, free_port, job_env, max_weight_difference, run_job, termination_message, with_faults
 from trainer.model import stepdown
 
 # Max absolute weight difference between the stepped-down job's final weights and those of a job planned at the
@@ -36,13 +36,23 @@ def _final(out):
     return out / "final" / "model" / "model.safetensors"
 
 
-@pytest.mark.slow
-@pytest.mark.faults("out of GPU memory with a plan too large, after the first checkpoint")
-def test_out_of_memory_steps_down_twice_and_ends_with_the_weights_of_the_smaller_plan(demo_assets, tmp_path):
-    settings = _settings(demo_assets, tmp_path / "train.jsonl")
-    smaller = tmp_path / "planned-2x4"
+@pytest.fixture(scope="module")
+def planned_2x4(demo_assets, tmp_path_factory):
+    """One process planned at 2 sequences x 4 passes from the start: the weights every stepped-down job here must end with.
+    Two DDP processes at 2 x 2 each train the same 8 sequences per step: measured 2.4e-7 from it (tests/test_scale_out.py)."""
+    folder = tmp_path_factory.mktemp("planned-2x4")
+    settings = _settings(demo_assets, folder / "train.jsonl")
+    smaller = folder / "volume"
     reference = run_job(job_env(smaller, **settings | {"FT_BATCH_LAYOUT": "as-set", "FT_BATCH_SIZE": "2", "FT_GRADIENT_ACCUMULATION_STEPS": "4"}), timeout=900)
     assert reference.returncode == 0, reference.stdout + reference.stderr
+    return smaller
+
+
+@pytest.mark.slow
+@pytest.mark.faults("out of GPU memory with a plan too large, after the first checkpoint")
+def test_out_of_memory_steps_down_twice_and_ends_with_the_weights_of_the_smaller_plan(demo_assets, planned_2x4, tmp_path):
+    settings = _settings(demo_assets, tmp_path / "train.jsonl")
+    smaller = planned_2x4
 
     out = tmp_path / "stepped-down"
     # 8 x 1 trains steps 1-2 (checkpoint 2 committed), then its third pass runs out of memory; 4 x 2 resumes from
@@ -64,6 +74,35 @@ def test_out_of_memory_steps_down_twice_and_ends_with_the_weights_of_the_smaller
     assert record["plan"] == [2, 4, 0]
     assert [failed["plan"] for failed in record["out_of_memory"]] == [[8, 1, 0], [4, 2, 0]]
     assert record["fit"]["measured_peak_bytes"] > 0 and record["fit"]["step"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.faults("out of GPU memory on one of two processes")
+def test_out_of_memory_on_one_of_two_processes_restarts_both_at_the_next_plan_and_ends_0_with_the_weights_of_the_smaller_plan(
+    demo_assets, planned_2x4, tmp_path
+):
+    settings = _settings(demo_assets, tmp_path / "train.jsonl", FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp", FT_GRADIENT_ACCUMULATION_STEPS="4")
+    out = tmp_path / "stepped-down"
+    env = job_env(out, **settings, FT_MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    # Each process plans 4 sequences x 1 pass; rank 1 alone runs out in its third pass (after checkpoint 2), rank 0 waits for it
+    # in a collective.  The launcher starts both again at 2 x 2, from checkpoint 2.
+    result = run_job(with_faults(env, oom_above_sequences="2", oom_after_passes="2", oom_on_rank="1"), timeout=900)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    lines = [line for line in result.stdout.splitlines() if "restarting the 2 processes there" in line]
+    assert len(lines) == 1, log
+    assert lines[0].startswith("fulltune: out of GPU memory on one of the 2 processes with 4 sequences x 1 passes per process, recomputation off"), lines
+    assert "the next plan down, 2 sequences x 2 passes per process, recomputation off, is recorded in" in lines[0], lines[0]
+    assert "starting at the plan an earlier attempt stepped down to after running out of memory: 2 processes (ddp" in result.stdout
+    assert f"resuming from {out}/checkpoints/checkpoint-2" in result.stdout
+    assert committed_steps(out) == [2, 4]
+    assert termination_message(env).strip() == ""  # the stepped-down attempt's exit lines do not outlive the job that finished
+    assert max_weight_difference(planned_2x4 / "final" / "model" / "model.safetensors", _final(out)) <= WEIGHT_TOLERANCE  # measured 3.2e-6
+    assert max_weight_difference(planned_2x4 / "checkpoints" / "checkpoint-2" / "model.safetensors", _final(out)) > 10 * WEIGHT_TOLERANCE
+
+    record = json.loads((out / ".fulltune" / "memory-plan.json").read_text())
+    assert [failed["plan"] for failed in record["out_of_memory"]] == [[4, 1, 0]] and record["plan"] == [2, 2, 0]
+    assert record["fit"]["step"] == 3 and record["fit"]["measured_peak_bytes"] > 0
 
 
 @pytest.mark.slow

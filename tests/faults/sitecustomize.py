@@ -22,6 +22,7 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
   FAULT_OOM_ABOVE_SEQUENCES=2          a training forward pass of more than 2 sequences (padding-free: position ids restarting
                                        at 0) raises torch.OutOfMemoryError, as CUDA would for a plan too large for the card
   FAULT_OOM_AFTER_PASSES=2             ... only after that many training passes have run in the process (a later, longer batch)
+  FAULT_OOM_ON_RANK=1                  ... only in the process of that global rank (RANK): one of several runs out, the others wait
 """
 
 import importlib.abc
@@ -148,6 +149,8 @@ def _out_of_memory_above(module):
 
     limit = int(os.environ["FAULT_OOM_ABOVE_SEQUENCES"])
     after = int(os.environ.get("FAULT_OOM_AFTER_PASSES") or 0)
+    if os.environ.get("FAULT_OOM_ON_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+        return  # another rank's card is the small one
     passes = []
     original = module.prepare_model
 

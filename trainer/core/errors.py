@@ -13,8 +13,8 @@ EXIT_CODES = {
        "finished; also a re-run of a job that already finished with the same settings (nothing runs again).",
     1: "Unexpected failure: a bug or an infrastructure fault (printed with a traceback), or, within seconds, before anything is downloaded or "
        "written and without a traceback: the Hugging Face hub not answering for a hub id in FT_MODEL, FT_DATASET or FT_EVAL_DATASET (the message "
-       "says how to run offline), or the MLflow server in MLFLOW_TRACKING_URI not answering at start; or, with several processes, one that ran out "
-       "of GPU memory and recorded the next plan down (the retry starts there). A retry may help; it resumes from the last committed checkpoint.",
+       "says how to run offline), or the MLflow server in MLFLOW_TRACKING_URI not answering at start. "
+       "A retry may help; it resumes from the last committed checkpoint.",
     2: "Bad configuration or input, found before training, no traceback: an invalid or unknown FT_* value, a misspelled (\"did you mean\") or "
        "lowercase name (all reported together, within a second); a local FT_MODEL or FT_DATASET that does not exist, or a hub id that is neither "
        "cached under HF_HUB_OFFLINE=1 nor on the hub; a volume whose job already finished, re-run with settings that change the result; a choice "
@@ -43,7 +43,9 @@ EXIT_CODES = {
        "other job's host, pid and start time. Also a running job whose lease another job took over after it went FT_LEASE_SECONDS without "
        "refreshing it (a stalled volume or a network partition): it stops at once without saving. A retry helps once the other job has ended "
        "(its lease is released) or stopped refreshing for FT_LEASE_SECONDS (it is then taken over); or use another FT_OUTPUT_DIR.",
-    75: "Stopped by SIGTERM/SIGINT after committing a checkpoint (a second signal after the commit ends the job at once, still 75). A retry resumes from it.",
+    75: "Stopped by SIGTERM/SIGINT after committing a checkpoint (a second signal after the commit ends the job at once, still 75). A retry resumes "
+        "from it. Also a job on several nodes where one process ran out of GPU memory: the next plan down is recorded on the volume and every node "
+        "ends (on one node the job restarts its processes there by itself); the retry starts at that plan from the last committed checkpoint.",
     76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while "
         "the training process was starting. A retry resumes from the previous committed checkpoint.",
 }
@@ -108,10 +110,12 @@ class SmallestPlanOutOfMemory(OutOfMemory):
 
 
 class StepDownRestart(FulltuneError):
-    """Out of GPU memory on one of several processes: the next plan down is recorded on the volume and the job
-    ends (the other ranks cannot be told in time); a retry starts at that plan."""
+    """Out of GPU memory on one of several processes: the next plan down is recorded on the volume and the processes
+    end (the other ranks cannot be told in time); the launcher restarts them at that plan (trainer/launch/launcher.py),
+    or, across nodes, the orchestrator's retry does.  75 as after a stop: every deployment here retries it (Kubernetes without counting
+    a failure), and the retries end, one plan lower each time, at exit 4 at the latest."""
 
-    exit_code = 1
+    exit_code = 75
     show_traceback = False
 
 

@@ -19,7 +19,9 @@ from typing import Any
 
 from trainer.core import ending
 from trainer.core.config import VARIABLE
-from trainer.core.errors import StopAbandoned
+from trainer.core.errors import OutOfMemory, StepDownRestart, StopAbandoned
+from trainer.core.files import read_json
+from trainer.core.volume import Volume
 
 
 class StopForwarder:
@@ -111,25 +113,36 @@ def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
 
 
 def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
-    """Run the job in a child process with `config` (trainer/core/config.py), forward stop signals, return its exit code."""
+    """Run the job in a child process with `config` (trainer/core/config.py), forward stop signals, return its exit code.
+
+    Several processes on one node: when they ended because one ran out of GPU memory and recorded the next plan
+    down (trainer/model/stepdown.py), they are started again here at that plan, once per plan down."""
     several = config.world_size > 1
     cmd, env = torchrun_command(config) if several else accelerate_command(use_cpu=not config.cuda)
     root = str(Path(__file__).resolve().parents[2])  # the folder holding trainer/: `-m trainer` resolves from any working directory
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env[VARIABLE] = config.to_json()  # the child runs with what was validated here, not with its own reading of FT_*
-    outcome = tempfile.mkdtemp(prefix="fulltune-exit-")
     env[ending.LAUNCHER_PID] = str(os.getpid())
-    env[ending.EXIT_FILE] = os.path.join(outcome, "rank")  # each local rank leaves its exit code there (torchrun reports only 1)
-    returncode = 0
-    if not stops.received and not stops.ended:
-        stops.group = several
-        stops.child = subprocess.Popen(cmd, env=env, start_new_session=several)  # several: its own group, to end the whole tree
-        if stops.ended:  # between the check above and here
-            stops.end_now()
-        returncode = stops.child.wait()
-    if several:
-        returncode = _job_exit_code(outcome, returncode)
-    shutil.rmtree(outcome, ignore_errors=True)
+    plans = Volume(config.settings.output_dir).memory_plan_file
+    started_at: list[Any] = []  # the recorded plans the processes were restarted at: each once, so the restarts end
+    while True:
+        before = (read_json(plans) or {}).get("plan")
+        returncode = _run_once(cmd, env, stops, several)
+        if not several or stops.received or stops.ended or stops.abandoned or returncode in (0, OutOfMemory.exit_code):
+            break
+        record = read_json(plans) or {}
+        if record.get("plan") in (None, before):
+            break  # not a step-down
+        if config.settings.num_nodes > 1:  # the launchers of the other nodes are not ours to restart
+            return ending.announce(StepDownRestart.exit_code, f"{_stepped_down(record, config.world_size, plans)}; this node ends so that the "
+                                   "orchestrator's retry (exit 75, as after a stop) starts every node at that plan from the last committed checkpoint")
+        if record["plan"] in started_at:
+            break
+        started_at.append(record["plan"])
+        print(f"fulltune: {_stepped_down(record, config.world_size, plans)}: restarting the {config.world_size} processes there (the same updates) "
+              f"from the last committed checkpoint (step 0 before the first); the errors of the other processes above follow from it", flush=True)
+        ending.write_termination_message("")  # the ended processes' exit lines no longer say how the job ends
+        stops.child = None  # a stop before the next start is answered as one while starting (76), never as the 0 of a start skipped
     if stops.ended:
         return returncode  # the caller says why (trainer/launch/lease.py)
     if stops.abandoned:
@@ -145,16 +158,48 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     return returncode
 
 
+def _run_once(cmd: list[str], env: dict[str, str], stops: StopForwarder, several: bool) -> int:
+    """One start of the training process (torchrun and its ranks when `several`), to its end: the job's exit code."""
+    outcome = tempfile.mkdtemp(prefix="fulltune-exit-")
+    env = env | {ending.EXIT_FILE: os.path.join(outcome, "rank")}  # each local rank leaves its exit code there (torchrun reports only 1)
+    returncode = 0
+    if not stops.received and not stops.ended:
+        stops.group = several
+        stops.child = subprocess.Popen(cmd, env=env, start_new_session=several)  # several: its own group, to end the whole tree
+        if stops.ended:  # between the check above and here
+            stops.end_now()
+        returncode = stops.child.wait()
+    if several:
+        returncode = _job_exit_code(outcome, returncode)
+    shutil.rmtree(outcome, ignore_errors=True)
+    return returncode
+
+
+def _stepped_down(record: dict[str, Any], processes: int, path: str) -> str:
+    """What the record of a step-down says happened, in words (its plans are [sequences, passes, checkpoint_every])."""
+    failed = (record.get("out_of_memory") or [{}])[-1]
+    peak = f" (measured peak {failed['measured_peak_bytes'] / 1e9:.1f} GB, {failed.get('measured_by')})" if failed.get("measured_peak_bytes") else ""
+    return (f"out of GPU memory on one of the {processes} processes with {_layout(failed.get('plan'))}{peak}; the next plan down, "
+            f"{_layout(record['plan'])}, is recorded in {path}")
+
+
+def _layout(plan: Any) -> str:
+    if not (isinstance(plan, list) and len(plan) == 3):
+        return str(plan)
+    sequences, passes, every = plan
+    recomputed = {0: "off", 1: "full (every layer)"}.get(every, f"selective (every {every} layers)")  # as trainer/model/estimate.py labels it
+    return f"{sequences} sequences x {passes} passes per process, recomputation {recomputed}"
+
+
 def _job_exit_code(folder: str, torchrun_code: int) -> int:
-    """The job's code as this node's ranks recorded it (local rank 0's, unless it succeeded and another failed),
+    """The job's code as this node's ranks recorded it (local rank 0's, unless it succeeded, or failed with 1 where another
+    rank's code says why: the rank out of memory ends with 4 or 75, the others then fail with 1 on their lost peer),
     else torchrun's own (1 when a worker failed without recording, e.g. killed)."""
     codes = {}
     for name in os.listdir(folder):
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             codes[int(name.rsplit(".", 1)[1])] = int(f.read().strip() or 1)
     failures = [code for _, code in sorted(codes.items()) if code]
-    if codes.get(0):
+    if codes.get(0) not in (None, 0, 1):
         return codes[0]
-    if failures:
-        return failures[0]
-    return torchrun_code
+    return next((code for code in failures if code != 1), failures[0] if failures else torchrun_code)

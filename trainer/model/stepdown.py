@@ -8,8 +8,9 @@ committed checkpoint, or from step 0 before the first.  The plan that fit and th
 the volume (`.fulltune/memory-plan.json`), so a restart starts there instead of failing the same way again.
 Only when the smallest plan runs out of memory does the job end: exit 4 with what to change.
 
-With several processes the rank that ran out records the next plan and ends the job (exit 1): the other ranks
-wait in a collective and cannot learn of it in time; the restart starts at the recorded plan.
+With several processes the rank that ran out records the next plan and ends (exit 75): the other ranks wait in a
+collective and cannot learn of it in time (they fail on their lost peer at once).  The launcher, reading the record,
+starts the processes again at that plan; across nodes the orchestrator's retry does (trainer/launch/launcher.py).
 """
 
 from __future__ import annotations
@@ -153,16 +154,16 @@ class Ladder:
             raise SmallestPlanOutOfMemory(_describe_peak(peak, how), failed.describe(), fixes(self.job, failed))
         self.record.update({"for": _for(self.job, lower), "plan": _layout(lower), "described": lower.describe(), "fit": None})
         self._write()
+        if ranks.world_size() > 1:  # the launcher says it in one line, for the whole job
+            raise StepDownRestart(
+                f"out of GPU memory with {_short(failed)} (measured peak {_describe_peak(peak, how)}) on one of several processes: "
+                f"the next plan down ({_short(lower)}) is recorded in {self.volume.memory_plan_file}; the processes start again there"
+            )
         print(
             f"fulltune: out of memory (measured peak {_describe_peak(peak, how)}) with {_short(failed)}: stepping down to {_short(lower)}"
             f" (the same updates), continuing from the last committed checkpoint (step 0 before the first); recorded in {self.volume.memory_plan_file}",
             file=sys.stdout, flush=True,
         )  # fmt: skip
-        if ranks.world_size() > 1:
-            raise StepDownRestart(
-                f"out of GPU memory with {_short(failed)} (measured peak {_describe_peak(peak, how)}) on one of several processes: "
-                f"the next plan down ({_short(lower)}) is recorded in {self.volume.memory_plan_file}; a retry starts there"
-            )
         self.plan = lower
 
     def _write(self) -> None:
