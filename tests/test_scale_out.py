@@ -20,7 +20,17 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from conftest import committed_steps, job_env, max_weight_difference, run_job, start_job, termination_message, wait_for, with_faults
+from conftest import (
+    assert_no_pickle_beyond_weights_only,
+    committed_steps,
+    job_env,
+    max_weight_difference,
+    run_job,
+    start_job,
+    termination_message,
+    wait_for,
+    with_faults,
+)
 
 pytestmark = pytest.mark.slow  # each test trains the demo in two processes
 
@@ -184,10 +194,59 @@ def test_fsdp_resumes_exactly_reshards_to_three_processes_and_refuses_what_it_ca
     restarted = run_job(env)
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
     assert f"resuming from {out}/checkpoints/checkpoint-20" in restarted.stdout
-    for name in ("checkpoints/checkpoint-40/model.safetensors", "final/model/model.safetensors"):
+    for name in ("checkpoints/checkpoint-40", "final/model/model.safetensors"):  # the checkpoint's DCP shards, the gathered model
         difference = max_weight_difference(reference / name, out / name)
         print(f"{name}: max abs difference {difference:g}")
         assert difference <= WEIGHT_TOLERANCE, name
+
+
+def test_fsdp_checkpoints_are_one_dcp_shard_per_rank_with_no_pickle_beyond_weights_only(fsdp):
+    out, _ = fsdp
+    checkpoint = out / "checkpoints" / "checkpoint-40"
+    files = assert_no_pickle_beyond_weights_only(out / "checkpoints")
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # each rank wrote its own shard file
+        assert sorted(p.name for p in (checkpoint / folder).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not {"pytorch_model_fsdp.bin", "optimizer.bin", "model.safetensors"} & {p.name for p in files}  # nothing gathered
+    manifest = json.loads((checkpoint / "commit.json").read_text())
+    on_disk = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file() and p.name != "commit.json"}
+    assert set(manifest["files"]) == set(manifest["xxh3_128"]) == on_disk  # every shard of every rank, with its checksum
+
+
+# A model big enough that its whole training state dwarfs what a process of 3 holds, small enough to train in seconds:
+# 25.6M parameters, 307 MB of weights + AdamW states.
+BIG = dict(vocab_size=512, hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4, head_dim=64)
+
+
+@pytest.mark.faults("an FSDP checkpoint resumed by more processes")
+def test_a_two_process_fsdp_checkpoint_resumes_on_three_without_gathering_it_on_rank_0(demo_assets, tmp_path):
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    model = tmp_path / "model"
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "model")
+    config = Qwen3Config(**BIG, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    Qwen3ForCausalLM(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join((demo_assets / "data" / "train.jsonl").read_text().splitlines(True)[:64]))
+    out, memory = tmp_path / "volume", tmp_path / "load-memory.jsonl"
+    settings = dict(FT_MODEL=str(model), FT_DATASET=str(rows), FT_BATCH_SIZE="2", FT_GRADIENT_ACCUMULATION_STEPS="1",
+                    FT_MAX_STEPS="2", FT_SAVE_STEPS="1", FT_EVAL_STEPS="1", FT_EVAL_MAX_SAMPLES="8", FT_EVAL_SAMPLES="0", FT_DISTRIBUTED="fsdp")
+    crashed = run_job(with_faults(job_env(out, **settings, FT_NUM_PROCESSES="2", FT_MASTER_PORT=str(free_port())), kill_before_commit_at_step="2"))
+    assert crashed.returncode == 1 and committed_steps(out) == [1], crashed.stdout + crashed.stderr
+
+    env = job_env(out, **settings, FT_NUM_PROCESSES="3", FT_ALLOW_CONFIG_CHANGE="true", FT_MASTER_PORT=str(free_port()))
+    resumed = run_job(with_faults(env, record_load_memory=str(memory)))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming from {out}/checkpoints/checkpoint-1" in resumed.stdout and len(shards(resumed.stdout)[1]) == 3
+    state = json.loads((out / "checkpoints" / "checkpoint-2" / "commit.json").read_text())["files"]
+    whole = sum(size for name, size in state.items() if name.startswith(("pytorch_model_fsdp_0/", "optimizer_0/")))
+    loads = [json.loads(line) for line in memory.read_text().splitlines()]
+    assert [load["load"] for load in loads] == ["_load_from_checkpoint", "_load_optimizer_and_scheduler"]
+    for load in loads:
+        grown = load["peak"] - load["rss_before"]
+        print(f"rank 0 {load['load']}: resident memory grew by {grown / 1e6:.0f} MB during the load; the whole state is {whole / 1e6:.0f} MB")
+        # A gather on rank 0 holds at least the whole AdamW states at once (2/3 of the state); rank 0's DCP shard is 1/3.
+        assert grown < whole / 2, load
 
 
 @pytest.fixture(scope="module")
