@@ -212,6 +212,21 @@ def test_fsdp_checkpoints_are_one_dcp_shard_per_rank_with_no_pickle_beyond_weigh
     assert set(manifest["files"]) == set(manifest["xxh3_128"]) == on_disk  # every shard of every rank, with its checksum
 
 
+@pytest.mark.faults("a damaged shard of one FSDP rank")
+def test_a_damaged_shard_of_one_rank_is_found_and_that_checkpoint_is_not_resumed(fsdp, tmp_path, capsys):
+    from trainer.checkpointing import commits
+
+    out, _ = fsdp
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(out / "checkpoints", checkpoints)
+    shard = checkpoints / "checkpoint-40" / "optimizer_0" / "__1_0.distcp"  # rank 1's AdamW states
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    shard.write_bytes(damaged)
+    assert commits.latest_for_resume(str(checkpoints), str(tmp_path / "incomplete")) == str(checkpoints / "checkpoint-20")
+    assert "checkpoint at step 40 is damaged, not resumed: optimizer_0/__1_0.distcp does not match its xxh3_128 checksum" in capsys.readouterr().out
+
+
 # A model big enough that its whole training state dwarfs what a process of 3 holds, small enough to train in seconds:
 # 25.6M parameters, 307 MB of weights + AdamW states.
 BIG = dict(vocab_size=512, hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4, head_dim=64)
