@@ -212,6 +212,19 @@ def test_fsdp_checkpoints_are_one_dcp_shard_per_rank_with_no_pickle_beyond_weigh
     assert set(manifest["files"]) == set(manifest["xxh3_128"]) == on_disk  # every shard of every rank, with its checksum
 
 
+@pytest.mark.faults("an FSDP checkpoint in the gathered layout of earlier versions")
+def test_an_fsdp_checkpoint_gathered_on_rank_0_by_an_earlier_version_is_refused_naming_it(tmp_path):
+    from trainer.core.errors import ConfigError
+    from trainer.model import sharding
+
+    old = tmp_path / "checkpoint-20"
+    old.mkdir()
+    (old / "pytorch_model_fsdp.bin").write_bytes(b"")  # never opened: the name alone refuses it
+    with pytest.raises(ConfigError, match=r"checkpoint-20, holds FSDP's whole gathered state .* use a new FT_OUTPUT_DIR") as refused:
+        sharding.check_resumable(str(old), "fsdp")
+    assert refused.value.exit_code == 2
+
+
 @pytest.mark.faults("a damaged shard of one FSDP rank")
 def test_a_damaged_shard_of_one_rank_is_found_and_that_checkpoint_is_not_resumed(fsdp, tmp_path, capsys):
     from trainer.checkpointing import commits
