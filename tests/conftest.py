@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,13 +61,71 @@ def termination_message(env: dict[str, str]) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def max_weight_difference(a: Path, b: Path) -> float:
-    """Largest absolute difference between two safetensors files' weights (same names required)."""
+def weights(path: Path) -> dict:
+    """The weights of a safetensors file, or of an FSDP checkpoint folder's DCP shards (read whole, in this process)."""
+    import torch
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    left, right = load_file(a), load_file(b)
+    if not Path(path).is_dir():
+        return load_file(path)
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(Path(path) / "pytorch_model_fsdp_0", Path(scratch) / "weights.pt")
+        return torch.load(Path(scratch) / "weights.pt", weights_only=True)["model"]
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    """Largest absolute difference between two checkpoints' weights (same names required): safetensors files, or FSDP
+    checkpoint folders."""
+    left, right = weights(a), weights(b)
     assert left.keys() == right.keys()
     return max((left[k].float() - right[k].float()).abs().max().item() for k in left)
+
+
+# What a DCP folder's `.metadata` pickle may name (torch 2.13's Metadata: its dataclasses, torch's dtypes and Size, the
+# layout helper, the checkpoint's path): anything else, a callable that runs on load above all, fails the check.
+DCP_METADATA_GLOBALS = ("torch.distributed.checkpoint.", "torch.Size", "torch.serialization._get_layout", "pathlib.")
+
+
+def assert_no_pickle_beyond_weights_only(folder: Path) -> list[Path]:
+    """Every file under `folder` is text (JSON, the tokenizer's), safetensors, a DCP shard folder read back by DCP
+    (its byte items with weights_only=True) whose `.metadata` names only DCP's own types, or loads with
+    weights_only=True (numpy's array type allowed, as transformers allows it for the RNG states:
+    trainer_pt_utils.safe_globals).  The files checked."""
+    import io
+    import pickle
+
+    import torch
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers.trainer_pt_utils import safe_globals
+
+    class MetadataOnly(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            qualified = f"{module}.{name}"
+            is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            if not is_dtype and not qualified.startswith(DCP_METADATA_GLOBALS):
+                raise pickle.UnpicklingError(f"a DCP .metadata names {qualified}")
+            return super().find_class(module, name)
+
+    files = [p for p in Path(folder).rglob("*") if p.is_file()]
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                assert list(f.keys())
+        elif path.suffix in (".json", ".jinja", ".txt", ".md"):
+            path.read_text(encoding="utf-8")
+        elif path.name == ".metadata":
+            MetadataOnly(io.BytesIO(path.read_bytes())).load()
+            with tempfile.TemporaryDirectory() as scratch:
+                dcp_to_torch_save(path.parent, Path(scratch) / "whole.pt")  # every .distcp file of the folder, as a resume reads it
+                torch.load(Path(scratch) / "whole.pt", weights_only=True)
+        elif path.suffix == ".distcp":
+            assert (path.parent / ".metadata").is_file(), path  # read back with its folder's .metadata
+        else:
+            with safe_globals():
+                torch.load(path, weights_only=True)  # raises UnpicklingError for anything but tensors and plain containers
+    return files
 
 
 def committed_steps(output_dir: Path) -> list[int]:

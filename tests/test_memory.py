@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import ROOT, job_env, run_job, termination_message
 from trainer.core.config import PRECISIONS
 from trainer.model import memory
+from trainer.model.memory import Plan
 
 QWEN3_4B = ROOT / "bench" / "qwen3-4b-config.json"
 
@@ -205,3 +206,17 @@ def test_a_model_too_big_for_one_gpu_is_told_how_many_gpus_fit_it_and_they_do(tm
     update = memory.phases(config, n, precision=mixed, shards=4, **layout)["optimizer"]
     assert update["weights"] + update["gradients"] + update["optimizer"] == pytest.approx(16 * n / 4)
     assert not memory.plan(config, n, settings, mixed, capacity, "auto", 2).fits  # 2 shards are not enough: 4 is the smallest
+
+
+def test_under_fsdp_nothing_is_staged_for_checkpoints_and_the_host_must_hold_the_final_weights_once():
+    """Each FSDP rank writes its DCP shard from where it is; the main process gathers the final model's weights."""
+    fp32, host = PRECISIONS["fp32"], memory.host_memory_bytes()
+    fsdp, ddp = Plan(1, 1, 0, {}, 0.0, strategy="fsdp", processes=8), Plan(1, 1, 0, {}, 0.0, strategy="ddp", processes=8)
+    assert memory.checkpoint_staging_bytes(fp32, 10**9, "fsdp", 8) == 0
+    assert memory.checkpoint_staging_bytes(fp32, 10**9, "ddp", 8) == 12 * 10**9
+    # weights the host cannot hold whole (4/3 of it), although an eighth of the checkpoint would fit
+    problem = memory.check_host_memory(fp32, host // 3, fsdp, cuda=True)
+    assert problem and "the final model's weights, gathered on it once" in problem and "more memory" in problem
+    # half the host for the final weights: fits under FSDP; DDP stages the whole checkpoint (1.5 x the host)
+    assert memory.check_host_memory(fp32, host // 8, fsdp, cuda=True) is None
+    assert "the checkpoint snapshot" in memory.check_host_memory(fp32, host // 8, ddp, cuda=True)

@@ -13,7 +13,18 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from conftest import ROOT, committed_steps, job_env, max_weight_difference, run_job, start_job, termination_message, wait_for, with_faults
+from conftest import (
+    ROOT,
+    assert_no_pickle_beyond_weights_only,
+    committed_steps,
+    job_env,
+    max_weight_difference,
+    run_job,
+    start_job,
+    termination_message,
+    wait_for,
+    with_faults,
+)
 
 pytestmark = pytest.mark.slow  # every test starts the demo job in a subprocess (and most train it)
 
@@ -293,18 +304,5 @@ def test_a_save_in_flight_that_outlasts_the_stop_deadline_exits_76_and_leaves_it
 def test_no_checkpoint_file_is_a_pickle_that_needs_more_than_weights_only(uninterrupted):
     """Every file of every checkpoint is text (JSON, the tokenizer's), safetensors, or loads with weights_only=True
     (numpy's array type allowed, as transformers allows it for the RNG states: trainer_pt_utils.safe_globals)."""
-    import torch
-    from safetensors import safe_open
-    from transformers.trainer_pt_utils import safe_globals
-
-    files = [p for p in (uninterrupted / "checkpoints").rglob("*") if p.is_file()]
+    files = assert_no_pickle_beyond_weights_only(uninterrupted / "checkpoints")
     assert {p.name for p in files} >= {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "commit.json"}
-    for path in files:
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as f:
-                assert list(f.keys())
-        elif path.suffix in (".json", ".jinja", ".txt", ".md"):
-            path.read_text(encoding="utf-8")
-        else:
-            with safe_globals():
-                torch.load(path, weights_only=True)  # raises UnpicklingError for anything but tensors and plain containers

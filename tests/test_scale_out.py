@@ -20,7 +20,17 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from conftest import committed_steps, job_env, max_weight_difference, run_job, start_job, termination_message, wait_for, with_faults
+from conftest import (
+    assert_no_pickle_beyond_weights_only,
+    committed_steps,
+    job_env,
+    max_weight_difference,
+    run_job,
+    start_job,
+    termination_message,
+    wait_for,
+    with_faults,
+)
 
 pytestmark = pytest.mark.slow  # each test trains the demo in two processes
 
@@ -184,10 +194,89 @@ def test_fsdp_resumes_exactly_reshards_to_three_processes_and_refuses_what_it_ca
     restarted = run_job(env)
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
     assert f"resuming from {out}/checkpoints/checkpoint-20" in restarted.stdout
-    for name in ("checkpoints/checkpoint-40/model.safetensors", "final/model/model.safetensors"):
+    for name in ("checkpoints/checkpoint-40", "final/model/model.safetensors"):  # the checkpoint's DCP shards, the gathered model
         difference = max_weight_difference(reference / name, out / name)
         print(f"{name}: max abs difference {difference:g}")
         assert difference <= WEIGHT_TOLERANCE, name
+
+
+def test_fsdp_checkpoints_are_one_dcp_shard_per_rank_with_no_pickle_beyond_weights_only(fsdp):
+    out, _ = fsdp
+    checkpoint = out / "checkpoints" / "checkpoint-40"
+    files = assert_no_pickle_beyond_weights_only(out / "checkpoints")
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # each rank wrote its own shard file
+        assert sorted(p.name for p in (checkpoint / folder).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not {"pytorch_model_fsdp.bin", "optimizer.bin", "model.safetensors"} & {p.name for p in files}  # nothing gathered
+    manifest = json.loads((checkpoint / "commit.json").read_text())
+    on_disk = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file() and p.name != "commit.json"}
+    assert set(manifest["files"]) == set(manifest["xxh3_128"]) == on_disk  # every shard of every rank, with its checksum
+
+
+@pytest.mark.faults("an FSDP checkpoint in the gathered layout of earlier versions")
+def test_an_fsdp_checkpoint_gathered_on_rank_0_by_an_earlier_version_is_refused_naming_it(tmp_path):
+    from trainer.core.errors import ConfigError
+    from trainer.model import sharding
+
+    old = tmp_path / "checkpoint-20"
+    old.mkdir()
+    (old / "pytorch_model_fsdp.bin").write_bytes(b"")  # never opened: the name alone refuses it
+    with pytest.raises(ConfigError, match=r"checkpoint-20, holds FSDP's whole gathered state .* use a new FT_OUTPUT_DIR") as refused:
+        sharding.check_resumable(str(old), "fsdp")
+    assert refused.value.exit_code == 2
+
+
+@pytest.mark.faults("a damaged shard of one FSDP rank")
+def test_a_damaged_shard_of_one_rank_is_found_and_that_checkpoint_is_not_resumed(fsdp, tmp_path, capsys):
+    from trainer.checkpointing import commits
+
+    out, _ = fsdp
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(out / "checkpoints", checkpoints)
+    shard = checkpoints / "checkpoint-40" / "optimizer_0" / "__1_0.distcp"  # rank 1's AdamW states
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    shard.write_bytes(damaged)
+    assert commits.latest_for_resume(str(checkpoints), str(tmp_path / "incomplete")) == str(checkpoints / "checkpoint-20")
+    assert "checkpoint at step 40 is damaged, not resumed: optimizer_0/__1_0.distcp does not match its xxh3_128 checksum" in capsys.readouterr().out
+
+
+# A model big enough that its whole training state dwarfs what a process of 3 holds, small enough to train in seconds:
+# 25.6M parameters, 307 MB of weights + AdamW states.
+BIG = dict(vocab_size=512, hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4, head_dim=64)
+
+
+@pytest.mark.faults("an FSDP checkpoint resumed by more processes")
+def test_a_two_process_fsdp_checkpoint_resumes_on_three_without_gathering_it_on_rank_0(demo_assets, tmp_path):
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    model = tmp_path / "model"
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "model")
+    config = Qwen3Config(**BIG, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    net = Qwen3ForCausalLM(config)
+    net.save_pretrained(model)
+    whole = 12 * sum(p.numel() for p in net.parameters())  # the whole state to resume: fp32 weights and two AdamW states
+    tokenizer.save_pretrained(model)
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join((demo_assets / "data" / "train.jsonl").read_text().splitlines(True)[:64]))
+    out, memory = tmp_path / "volume", tmp_path / "load-memory.jsonl"
+    settings = dict(FT_MODEL=str(model), FT_DATASET=str(rows), FT_BATCH_SIZE="2", FT_GRADIENT_ACCUMULATION_STEPS="1",
+                    FT_MAX_STEPS="2", FT_SAVE_STEPS="1", FT_EVAL_STEPS="1", FT_EVAL_MAX_SAMPLES="8", FT_EVAL_SAMPLES="0", FT_DISTRIBUTED="fsdp")
+    crashed = run_job(with_faults(job_env(out, **settings, FT_NUM_PROCESSES="2", FT_MASTER_PORT=str(free_port())), kill_before_commit_at_step="2"))
+    assert crashed.returncode == 1 and committed_steps(out) == [1], crashed.stdout + crashed.stderr
+
+    env = job_env(out, **settings, FT_NUM_PROCESSES="3", FT_ALLOW_CONFIG_CHANGE="true", FT_MASTER_PORT=str(free_port()))
+    resumed = run_job(with_faults(env, record_load_memory=str(memory)))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming from {out}/checkpoints/checkpoint-1" in resumed.stdout and len(shards(resumed.stdout)[1]) == 3
+    loads = [json.loads(line) for line in memory.read_text().splitlines()]
+    assert [load["load"] for load in loads] == ["_load_from_checkpoint", "_load_optimizer_and_scheduler"]
+    for load in loads:
+        grown = load["peak"] - load["rss_before"]
+        print(f"rank 0 {load['load']}: resident memory grew by {grown / 1e6:.0f} MB during the load; the whole state is {whole / 1e6:.0f} MB")
+        # A gather on rank 0 holds at least the whole AdamW states at once (2/3 of the state); rank 0's DCP shard is 1/3.
+        # Measured: 11 MB and 108 MB (its third of AdamW's states and gradients, made before they are read); through
+        # the FULL_STATE_DICT gather this replaced, 106 MB and 219 MB.
+        assert grown < whole / 2, load
 
 
 @pytest.fixture(scope="module")

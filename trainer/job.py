@@ -228,7 +228,12 @@ def _whole_model(trainer: Any, volume: Volume) -> Any:
     from transformers import AutoModelForCausalLM
 
     gathered = volume.gathered
-    trainer.save_model(gathered)  # every rank sends its shards; rank 0 writes one safetensors folder (FULL_STATE_DICT)
+    # Checkpoints are sharded (SHARDED_STATE_DICT), so `save_model` writes no weights under FSDP: this is its
+    # FULL_STATE_DICT branch, once, weights only.  Every rank sends its shards; rank 0 holds them (on the host) and writes.
+    weights = trainer.accelerator.get_state_dict(trainer.model)
+    if ranks.is_main():
+        trainer._save(gathered, state_dict=weights)
+    del weights
     ranks.barrier()
     return AutoModelForCausalLM.from_pretrained(gathered) if ranks.is_main() else None
 

@@ -23,6 +23,9 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        at 0) raises torch.OutOfMemoryError, as CUDA would for a plan too large for the card
   FAULT_OOM_AFTER_PASSES=2             ... only after that many training passes have run in the process (a later, longer batch)
   FAULT_OOM_ON_RANK=1                  ... only in the process of that global rank (RANK): one of several runs out, the others wait
+  FAULT_RECORD_LOAD_MEMORY=<file>      rank 0 appends to <file>, for each part of a resume (weights, optimizer states), a
+                                       JSON line with its resident memory before and its peak during it, in bytes
+                                       (/proc/self/status VmRSS and VmHWM, the peak reset first through /proc/self/clear_refs)
 """
 
 import importlib.abc
@@ -171,12 +174,43 @@ def _out_of_memory_above(module):
     module.prepare_model = prepare_model
 
 
+def _status_bytes(field):
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _record_load_memory(module):
+    """Measured on rank 0 only, around transformers' own two loads of a resume."""
+    import json
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+
+    def measured(name):
+        original = getattr(module.Trainer, name)
+
+        def load(self, *args, **kwargs):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM restarts from the current resident size
+            before = _status_bytes("VmRSS")
+            result = original(self, *args, **kwargs)
+            with open(os.environ["FAULT_RECORD_LOAD_MEMORY"], "a", encoding="utf-8") as f:
+                f.write(json.dumps({"load": name, "rss_before": before, "peak": _status_bytes("VmHWM")}) + "\n")
+            return result
+
+        setattr(module.Trainer, name, load)
+
+    measured("_load_from_checkpoint")
+    measured("_load_optimizer_and_scheduler")
+
+
 PATCHES = {  # module -> (variables, patch)
     "trainer.checkpointing.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HOLD_AFTER_STOP_COMMIT"), _preemption_faults),
     "trainer.checkpointing.commits": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
     "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES",), _out_of_memory_above),
     "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE",), _slow_checkpoint_write),
+    "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY",), _record_load_memory),
 }
 if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
     when = os.environ.get("FAULT_FILL_VOLUME_AT", "")

@@ -14,8 +14,9 @@ the snapshot is written in the Trainer's own layout by the Trainer's own writer 
 snapshot as its state dict: the weights as safetensors with the tied head dropped, the config, the tokenizer),
 and the optimizer snapshot with `torch.save` as `_save_optimizer_and_scheduler` would (loaded back with
 `weights_only=True`).  The rest of transformers' `_save_checkpoint` (best-model bookkeeping, trainer state) is
-repeated in `save` below.  Under FSDP the weights and optimizer states are gathered by accelerate, a
-collective every rank joins, so they are written in the foreground there; only their commit is in the background.
+repeated in `save` below.  Under FSDP each rank writes its own shard of the
+weights and optimizer states through torch DCP (accelerate's SHARDED_STATE_DICT path, a collective every rank
+joins), in the foreground; only their commit is in the background.
 """
 
 from __future__ import annotations
@@ -152,10 +153,9 @@ def save(trainer: Any, trial: Any, saves: Saves, committed: Callable[[str, int, 
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
     staged = None
     if trainer.is_fsdp_enabled:
-        trainer.save_model(folder, _internal_call=True)  # accelerate gathers on rank 0: every rank takes part
+        # SHARDED_STATE_DICT (recipe.fsdp_config): accelerate's save_fsdp_model/save_fsdp_optimizer write DCP folders,
+        # each rank its own shard in parallel, flushed (FileSystemWriter's sync_files) before dcp.save returns on any rank
         trainer._save_optimizer_and_scheduler(folder)
-        if args.should_save and os.path.exists(os.path.join(folder, "training_args.bin")):
-            os.remove(os.path.join(folder, "training_args.bin"))
     elif args.should_save:
         staged = saves.stage({"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()})
         os.makedirs(folder, exist_ok=True)

@@ -240,10 +240,16 @@ def preflight(job: Config) -> Plan:
 
 def checkpoint_staging_bytes(precision: Precision, n_params: int, strategy: str, processes: int) -> int:
     """Host memory a process holds for the snapshot of an asynchronous checkpoint (trainer/checkpointing/saving.py):
-    its weights and AdamW states, copied once and reused from save to save.  Under FSDP each process stages its
-    own shard; otherwise the main process stages the whole state."""
-    whole = precision.checkpoint_bytes * n_params
-    return -(-whole // processes) if strategy == "fsdp" else whole
+    its weights and AdamW states, copied once and reused from save to save, on the main process.  Under FSDP
+    nothing is staged: each process writes its own shard through DCP straight from its memory (a tensor at a time
+    from a GPU)."""
+    return 0 if strategy == "fsdp" else precision.checkpoint_bytes * n_params
+
+
+def final_gather_bytes(precision: Precision, n_params: int, strategy: str) -> int:
+    """Host memory the main process holds under FSDP when the final model is gathered, once, weights only
+    (trainer/job.py); without FSDP the model is saved from where it is."""
+    return precision.weight_bytes * n_params if strategy == "fsdp" else 0
 
 
 def host_memory_bytes() -> int:
@@ -258,14 +264,17 @@ def host_memory_bytes() -> int:
 
 
 def check_host_memory(precision: Precision, n_params: int, chosen: Plan, cuda: bool) -> str | None:
-    """None when the host holds the checkpoint snapshot (and, on CPU, the training state itself), else the problem."""
+    """None when the host holds the checkpoint snapshot, or under FSDP the final model's gathered weights (and, on CPU,
+    the training state itself), else the problem."""
     staging = checkpoint_staging_bytes(precision, n_params, chosen.strategy, chosen.processes)
+    staging = max(staging, final_gather_bytes(precision, n_params, chosen.strategy))  # one or the other, never both
     training = 0 if cuda else precision.training_bytes * n_params // (chosen.processes if chosen.strategy == "fsdp" else 1)
     host = host_memory_bytes()
     if staging + training <= host:
         return None
     on_cpu = f" and {training / GB:.1f} GB of training state (CPU)" if training else ""
-    return (
-        f"the host has {host / GB:.1f} GB of memory; each process needs {staging / GB:.1f} GB for the checkpoint snapshot{on_cpu}. "
-        "Give the container more memory, or shard the state over more processes (FT_DISTRIBUTED=fsdp)."
-    )
+    if chosen.strategy == "fsdp":
+        snapshot, fix = "the final model's weights, gathered on it once at the end", "Give the container more memory."
+    else:
+        snapshot, fix = "the checkpoint snapshot", "Give the container more memory, or shard the state over more processes (FT_DISTRIBUTED=fsdp)."
+    return f"the host has {host / GB:.1f} GB of memory; the main process needs {staging / GB:.1f} GB for {snapshot}{on_cpu}. {fix}"

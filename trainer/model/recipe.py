@@ -83,14 +83,15 @@ def eval_rows(settings: Settings, rows: Any) -> Any:
 
 def fsdp_config(plan: Any) -> dict[str, Any]:
     """FSDP2, every decoder layer its own unit (the model's `_no_split_modules`), parameters resharded after each
-    layer's forward, and whole (rank 0-gathered) state dicts, so checkpoints and the final model are one
-    safetensors file that any number of processes, `from_pretrained` and vLLM can load.  Recomputation goes
-    through FSDP's own activation checkpointing (transformers' would all-gather every layer twice, #30404)."""
+    layer's forward, and sharded state dicts: each rank writes its own shard of a checkpoint through torch DCP
+    (no gather on rank 0), which any number of FSDP processes can load back (DCP reshards at load time).  The final
+    model is gathered once, weights only (trainer/job.py).  Recomputation goes through FSDP's own activation
+    checkpointing (transformers' would all-gather every layer twice, #30404)."""
     return {
         "fsdp_version": 2,
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "reshard_after_forward": True,
-        "state_dict_type": "FULL_STATE_DICT",
+        "state_dict_type": "SHARDED_STATE_DICT",
         "activation_checkpointing": plan.checkpointing,
     }
 

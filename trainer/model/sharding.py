@@ -27,7 +27,8 @@ from transformers import TrainerCallback
 from trainer.core import ranks
 from trainer.core.errors import ConfigError
 
-FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # accelerate's FSDP_MODEL_NAME, FULL_STATE_DICT
+FSDP_MODEL = "pytorch_model_fsdp_0"  # accelerate's DCP folder of an FSDP checkpoint's weights (SHARDED_STATE_DICT)
+FSDP_WHOLE = "pytorch_model_fsdp.bin"  # what FULL_STATE_DICT wrote, gathered on rank 0, before checkpoints were sharded
 
 
 def honour_fsdp_on_cpu(trainer: Any) -> None:
@@ -102,13 +103,19 @@ def _cpu_fsdp_trainer() -> type:
 def check_resumable(checkpoint: str | None, strategy: str) -> None:
     """Refuse (exit 2), before any weights load, to resume a checkpoint in a layout this job cannot read.
 
-    Under FSDP, accelerate writes the whole weights and AdamW states keyed by parameter name (`pytorch_model_fsdp.bin`,
-    `optimizer.bin`, gathered on rank 0), which any number of FSDP processes can load; one process or DDP write
-    torch's own `optimizer.pt`, keyed by position.  transformers 5.24 resumes each only the way it was written (a
-    ValueError or a missing file after the model has loaded)."""
+    Under FSDP each rank writes its shard of the weights and AdamW states, keyed by parameter name, into torch DCP
+    folders (`pytorch_model_fsdp_0/`, `optimizer_0/`), which any number of FSDP processes load back (DCP reshards
+    at load time); one process or DDP write one safetensors file and torch's own `optimizer.pt`, keyed by position.
+    transformers 5.24 resumes each only the way it was written (a ValueError or a missing file after the model has
+    loaded).  An FSDP checkpoint from before checkpoints were sharded (`pytorch_model_fsdp.bin`) is refused too."""
     if checkpoint is None:
         return
-    by_fsdp = os.path.exists(os.path.join(checkpoint, FSDP_WEIGHTS))
+    if os.path.exists(os.path.join(checkpoint, FSDP_WHOLE)):
+        raise ConfigError(
+            f"the checkpoint to resume, {checkpoint}, holds FSDP's whole gathered state ({FSDP_WHOLE}), a layout this version "
+            "no longer reads: FSDP checkpoints are sharded by torch DCP now. Resume it with the version that wrote it, or use a new FT_OUTPUT_DIR."
+        )
+    by_fsdp = os.path.isdir(os.path.join(checkpoint, FSDP_MODEL))
     if by_fsdp == (strategy == "fsdp"):
         return
     written, now = ("FSDP", strategy if strategy != "none" else "one process") if by_fsdp else ("one process or DDP", "fsdp")

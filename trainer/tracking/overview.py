@@ -46,4 +46,8 @@ def _checkpoint_cost(config: Config, plan: memory.Plan) -> str:
     write = "write time unknown (the volume's speed could not be measured)"
     if speed:
         write = f"~{size / speed:.1f} s at the volume's measured {speed / 1e9:.2f} GB/s"
+    if plan.strategy == "fsdp":
+        shard = size / config.world_size / 1e9
+        return (f"each checkpoint ~{size / 1e9:.2f} GB (weights + AdamW states), one ~{shard:.2f} GB shard per process written in parallel "
+                f"through DCP while training waits, committed in the background: {write}; nothing staged in host memory")
     return f"each checkpoint ~{size / 1e9:.2f} GB (weights + AdamW states), written in the background: {write}; host staging {staging / 1e9:.2f} GB per process"
