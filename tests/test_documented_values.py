@@ -238,6 +238,15 @@ def learning_rates(fraction):
     return check
 
 
+def seeded(seed: int):
+    def check(trainer, prepared, out, log):  # the Trainer seeds torch with it (shuffling, any fresh weights): 42 by default
+        import torch
+
+        assert torch.initial_seed() == seed
+
+    return check
+
+
 def skipped_one_bad_row(trainer, prepared, out, log):
     assert prepared.report["sources"]["train"]["bad_rows"] == 1 and len(prepared.train) + len(prepared.eval) == 16
 
@@ -323,7 +332,7 @@ RUNS = {
     "FT_WEIGHT_DECAY=0": ({"FT_WEIGHT_DECAY": "0"}, weights_changed),
     "FT_MAX_GRAD_NORM=0": ({"FT_MAX_GRAD_NORM": "0"}, weights_changed),
     "FT_BATCH_SIZE=1": ({"FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "1"}, passes_of(1)),
-    "FT_SEED=0": ({"FT_SEED": "0"}, arg("seed", 0)),
+    "FT_SEED=0": ({"FT_SEED": "0"}, seeded(0)),
     "FT_EVAL_STEPS=1": ({"FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1", "FT_EVAL_BATCH_SIZE": "1"}, evaluated_on(4)),
     "FT_EVAL_BATCH_SIZE=16": ({"FT_EVAL_BATCH_SIZE": "16", "FT_EVAL_FRACTION": "0.75"}, one_evaluation_batch_of(12)),
     "FT_SAVE_TOTAL_LIMIT=1": ({"FT_SAVE_TOTAL_LIMIT": "1", "FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1"}, one_committed_checkpoint_plus_the_best),
