@@ -64,6 +64,16 @@ def files(tmp_path_factory, demo_assets) -> dict[str, str]:
 
     sharegpt = [{"conversations": [{"from": "human", "value": u}, {"from": "gpt", "value": a}]} for u, a in map(turns, rows)]
     bad = [*rows[:8], {"messages": [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, *rows[8:]]
+    custom = folder / "custom-code-model"  # a model type transformers does not have, defined by the code shipped with it
+    shutil.copytree(demo_assets / "model", custom)
+    config = json.loads((custom / "config.json").read_text())
+    config |= {"model_type": "fulltune-custom", "architectures": ["CustomForCausalLM"],
+               "auto_map": {"AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}
+    (custom / "config.json").write_text(json.dumps(config))
+    (custom / "configuration_custom.py").write_text("from transformers import Qwen3Config\n\n\n"
+                                                    "class CustomConfig(Qwen3Config):\n    model_type = 'fulltune-custom'\n")
+    (custom / "modeling_custom.py").write_text("from transformers import Qwen3ForCausalLM\n\nfrom .configuration_custom import CustomConfig\n\n\n"
+                                               "class CustomForCausalLM(Qwen3ForCausalLM):\n    config_class = CustomConfig\n")
     return {
         "messages": write("messages.jsonl", rows),
         "sharegpt": write("sharegpt.jsonl", sharegpt),
@@ -73,6 +83,7 @@ def files(tmp_path_factory, demo_assets) -> dict[str, str]:
         "with_bad_row": write("with_bad_row.jsonl", bad),
         "eval": write("eval.jsonl", demo.conversations(4, seed=4)),
         "pickle_model": str(pickled),
+        "custom_code_model": str(custom),
     }
 
 
@@ -108,26 +119,26 @@ def build(env: dict[str, str]):
 # -- What each value must visibly do, besides training -------------------------------------------------
 
 
-def no_evaluation(trainer, prepared, out):
+def no_evaluation(trainer, prepared, out, log):
     assert prepared.eval is None and not any("eval_loss" in entry for entry in trainer.state.log_history)
     assert (out / "checkpoints" / f"checkpoint-{STEPS}" / "commit.json").exists()
 
 
 def evaluated_on(rows: int):
-    def check(trainer, prepared, out):
+    def check(trainer, prepared, out, log):
         assert len(trainer.eval_dataset) == rows and any("eval_loss" in entry for entry in trainer.state.log_history)
 
     return check
 
 
 def report(key: str, expected):
-    def check(trainer, prepared, out):
+    def check(trainer, prepared, out, log):
         assert prepared.report[key] == expected, prepared.report[key]
 
     return check
 
 
-def weights_unchanged(trainer, prepared, out):
+def weights_unchanged(trainer, prepared, out, log):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(Path(trainer.model.name_or_path))
@@ -135,11 +146,11 @@ def weights_unchanged(trainer, prepared, out):
         assert after.equal(before.to(after.dtype)), name
 
 
-def loaded_from_pickle(trainer, prepared, out):
+def loaded_from_pickle(trainer, prepared, out, log):
     assert trainer.model.name_or_path.endswith("pickle-model") and (Path(trainer.model.name_or_path) / "pytorch_model.bin").exists()
 
 
-def weights_changed(trainer, prepared, out):
+def weights_changed(trainer, prepared, out, log):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(Path(trainer.model.name_or_path))
@@ -147,69 +158,145 @@ def weights_changed(trainer, prepared, out):
 
 
 def recomputes(flags: list[bool]):
-    def check(trainer, prepared, out):
+    def check(trainer, prepared, out, log):
         assert [layer.gradient_checkpointing for layer in trainer.model.model.layers] == flags
 
     return check
 
 
 def arg(name: str, expected):
-    def check(trainer, prepared, out):
+    def check(trainer, prepared, out, log):
         assert getattr(trainer.args, name) == expected, getattr(trainer.args, name)
 
     return check
 
 
-def skipped_one_bad_row(trainer, prepared, out):
+def printed(*lines: str, absent: tuple[str, ...] = ()):
+    def check(trainer, prepared, out, log):
+        assert all(line in log for line in lines) and not any(line in log for line in absent), log
+
+    return check
+
+
+def runs_the_models_own_code(trainer, prepared, out, log):
+    assert type(trainer.model).__name__ == "CustomForCausalLM" and type(trainer.model).__module__.endswith("modeling_custom")
+
+
+def fp32_weights(trainer, prepared, out, log):
+    import torch
+
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32} and not trainer.args.bf16
+
+
+def plain_adamw(trainer, prepared, out, log):
+    import torch
+
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper holds torch's optimizer
+    assert type(inner) is torch.optim.AdamW and not inner.defaults.get("fused")
+
+
+def sequences(batch) -> int:
+    """Sequences in one collated pass: rows, or (padding-free: one row) the starts of its position ids."""
+    if "position_ids" in batch and batch["input_ids"].shape[0] == 1:
+        return int((batch["position_ids"] == 0).sum())
+    return batch["input_ids"].shape[0]
+
+
+def passes_of(rows: int):
+    def check(trainer, prepared, out, log):
+        assert sequences(next(iter(trainer.get_train_dataloader()))) == rows
+
+    return check
+
+
+def padding_free(trainer, prepared, out, log):
+    batch = next(iter(trainer.get_train_dataloader()))
+    lengths = sorted(len(ids) for ids in prepared.train["input_ids"])
+    assert batch["input_ids"].shape[0] == 1 and sequences(batch) == 2, batch["input_ids"].shape  # 2 rows, one row of tokens, no padding
+    assert batch["input_ids"].shape[1] <= lengths[-1] + lengths[-2] and int((batch["input_ids"] == trainer.processing_class.pad_token_id).sum()) == 0
+
+
+def one_evaluation_batch_of(rows: int):
+    def check(trainer, prepared, out, log):
+        batches = list(trainer.get_eval_dataloader())
+        assert len(batches) == 1 and sequences(batches[0]) == rows
+
+    return check
+
+
+def learning_rates(fraction):
+    """The schedule the trainer builds from these settings over 9 steps (1 of warm-up): each step's lr, as a fraction of the peak."""
+    def check(trainer, prepared, out, log):
+        trainer.lr_scheduler = None
+        scheduler = trainer.create_scheduler(num_training_steps=9, optimizer=trainer.optimizer)
+        rates = []
+        for _ in range(9):
+            rates.append(scheduler.get_last_lr()[0] / trainer.args.learning_rate)
+            scheduler.step()
+        assert rates == pytest.approx([0.0] + [fraction(step) for step in range(1, 9)], abs=1e-6), rates
+
+    return check
+
+
+def seeded(seed: int):
+    def check(trainer, prepared, out, log):  # the Trainer seeds torch with it (shuffling, any fresh weights): 42 by default
+        import torch
+
+        assert torch.initial_seed() == seed
+
+    return check
+
+
+def skipped_one_bad_row(trainer, prepared, out, log):
     assert prepared.report["sources"]["train"]["bad_rows"] == 1 and len(prepared.train) + len(prepared.eval) == 16
 
 
-def dropped_some(trainer, prepared, out):
+def dropped_some(trainer, prepared, out, log):
     dropped = prepared.report["sources"]["train"]["dropped_too_long"]  # the validation rows are held out of the same file
     assert 0 < dropped < 16 and len(prepared.train) + len(prepared.eval) == 16 - dropped
 
 
 def at_most(tokens: int):
-    def check(trainer, prepared, out):
+    def check(trainer, prepared, out, log):
         assert max(len(ids) for ids in prepared.train["input_ids"]) == tokens and prepared.report["sources"]["train"]["truncated"] > 0
 
     return check
 
 
 def cached(expected: bool):
-    def check(trainer, prepared, out):
+    def check(trainer, prepared, out, log):
         assert (out / ".fulltune" / "data-cache").exists() == expected
 
     return check
 
 
-def fused_adamw(trainer, prepared, out):
+def fused_adamw(trainer, prepared, out, log):
     assert trainer.optimizer.defaults.get("fused") is True
 
 
-def bf16_weights(trainer, prepared, out):
+def bf16_weights(trainer, prepared, out, log):
     import torch
 
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
 
 
-def one_worker(trainer, prepared, out):
+def one_worker(trainer, prepared, out, log):
     assert trainer.get_train_dataloader().num_workers == 1
 
 
-def demo_data(trainer, prepared, out):
+def demo_data(trainer, prepared, out, log):
     assert len(prepared.train) + len(prepared.eval) == 2000
 
 
-def assistant_only(trainer, prepared, out):
+def assistant_only(trainer, prepared, out, log):
     assert 0 < prepared.report["trained_token_fraction"] < 0.5
 
 
-def padded(trainer, prepared, out):
+def padded(trainer, prepared, out, log):
     assert not getattr(trainer.data_collator, "padding_free", False)
 
 
-def one_committed_checkpoint_plus_the_best(trainer, prepared, out):
+def one_committed_checkpoint_plus_the_best(trainer, prepared, out, log):
     kept = sorted(p.name for p in (out / "checkpoints").glob("checkpoint-*"))
     best = Path(trainer.state.best_model_checkpoint).name
     assert kept == sorted({f"checkpoint-{STEPS}", best}), kept
@@ -220,7 +307,7 @@ def one_committed_checkpoint_plus_the_best(trainer, prepared, out):
 RUNS = {
     "defaults": ({}, evaluated_on(4)),
     "FT_PRESET=demo": ({"FT_PRESET": "demo", "FT_MODEL": None, "FT_DATASET": None, "FT_EVAL_MAX_SAMPLES": "4"}, demo_data),
-    "FT_TRUST_REMOTE_CODE=true": ({"FT_TRUST_REMOTE_CODE": "true"}, None),
+    "FT_TRUST_REMOTE_CODE=true": ({"FT_TRUST_REMOTE_CODE": "true", "FT_MODEL": "{custom_code_model}"}, runs_the_models_own_code),
     "FT_ALLOW_PICKLE_WEIGHTS=true": ({"FT_ALLOW_PICKLE_WEIGHTS": "true", "FT_MODEL": "{pickle_model}"}, loaded_from_pickle),
     "FT_EVAL_DATASET=file": ({"FT_EVAL_DATASET": "{eval}"}, evaluated_on(4)),
     "FT_EVAL_FRACTION=0": ({"FT_EVAL_FRACTION": "0"}, no_evaluation),
@@ -238,19 +325,19 @@ RUNS = {
     "FT_DATA_CACHE=false": ({"FT_DATA_CACHE": "false"}, cached(False)),
     "FT_MAX_STEPS=1": ({"FT_MAX_STEPS": "1", "FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1"}, None),
     "FT_LEARNING_RATE=0": ({"FT_LEARNING_RATE": "0"}, weights_unchanged),
-    "FT_LR_SCHEDULER=linear": ({"FT_LR_SCHEDULER": "linear"}, arg("lr_scheduler_type", "linear")),
-    "FT_LR_SCHEDULER=cosine": ({"FT_LR_SCHEDULER": "cosine"}, arg("lr_scheduler_type", "cosine")),
-    "FT_LR_SCHEDULER=constant_with_warmup": ({"FT_LR_SCHEDULER": "constant_with_warmup"}, arg("lr_scheduler_type", "constant_with_warmup")),
+    "FT_LR_SCHEDULER=linear": ({"FT_LR_SCHEDULER": "linear"}, learning_rates(lambda step: (9 - step) / 8)),
+    "FT_LR_SCHEDULER=cosine": ({"FT_LR_SCHEDULER": "cosine"}, learning_rates(lambda step: 0.5 * (1 + math.cos(math.pi * (step - 1) / 8)))),
+    "FT_LR_SCHEDULER=constant_with_warmup": ({"FT_LR_SCHEDULER": "constant_with_warmup"}, learning_rates(lambda step: 1.0)),
     "FT_WARMUP_STEPS=0": ({"FT_WARMUP_STEPS": "0"}, weights_changed),
     "FT_WEIGHT_DECAY=0": ({"FT_WEIGHT_DECAY": "0"}, weights_changed),
     "FT_MAX_GRAD_NORM=0": ({"FT_MAX_GRAD_NORM": "0"}, weights_changed),
-    "FT_BATCH_SIZE=1": ({"FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "1"}, arg("per_device_train_batch_size", 1)),
-    "FT_SEED=0": ({"FT_SEED": "0"}, arg("seed", 0)),
+    "FT_BATCH_SIZE=1": ({"FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "1"}, passes_of(1)),
+    "FT_SEED=0": ({"FT_SEED": "0"}, seeded(0)),
     "FT_EVAL_STEPS=1": ({"FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1", "FT_EVAL_BATCH_SIZE": "1"}, evaluated_on(4)),
-    "FT_EVAL_BATCH_SIZE=16": ({"FT_EVAL_BATCH_SIZE": "16"}, arg("per_device_eval_batch_size", 16)),
+    "FT_EVAL_BATCH_SIZE=16": ({"FT_EVAL_BATCH_SIZE": "16", "FT_EVAL_FRACTION": "0.75"}, one_evaluation_batch_of(12)),
     "FT_SAVE_TOTAL_LIMIT=1": ({"FT_SAVE_TOTAL_LIMIT": "1", "FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1"}, one_committed_checkpoint_plus_the_best),
-    "FT_PRECISION=auto": ({"FT_PRECISION": "auto"}, arg("bf16", False)),
-    "FT_PRECISION=fp32": ({"FT_PRECISION": "fp32"}, arg("bf16", False)),
+    "FT_PRECISION=auto": ({"FT_PRECISION": "auto"}, fp32_weights),  # on a CPU: fp32
+    "FT_PRECISION=fp32": ({"FT_PRECISION": "fp32"}, fp32_weights),
     "FT_PRECISION=bf16-sr": ({"FT_PRECISION": "bf16-sr"}, bf16_weights),
     "FT_ACTIVATION_CHECKPOINTING=auto": ({"FT_ACTIVATION_CHECKPOINTING": "auto"}, recomputes([False, False])),
     "FT_ACTIVATION_CHECKPOINTING=off": ({"FT_ACTIVATION_CHECKPOINTING": "off"}, recomputes([False, False])),
@@ -261,15 +348,18 @@ RUNS = {
         {"FT_BATCH_LAYOUT": "as-set", "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "2"},
         arg("gradient_accumulation_steps", 2),
     ),
-    "FT_PADDING_FREE=on": ({"FT_PADDING_FREE": "on"}, arg("per_device_train_batch_size", 2)),
+    "FT_PADDING_FREE=on": ({"FT_PADDING_FREE": "on"}, padding_free),
     "FT_PADDING_FREE=off": ({"FT_PADDING_FREE": "off"}, padded),
-    "FT_OPTIMIZER=adamw_torch": ({"FT_OPTIMIZER": "adamw_torch"}, arg("optim", "adamw_torch")),
+    "FT_OPTIMIZER=adamw_torch": ({"FT_OPTIMIZER": "adamw_torch"}, plain_adamw),
     "FT_OPTIMIZER=adamw_torch_fused": ({"FT_OPTIMIZER": "adamw_torch_fused"}, fused_adamw),
     "FT_EVAL_MAX_SAMPLES=1": ({"FT_EVAL_MAX_SAMPLES": "1"}, evaluated_on(1)),
     "FT_DATALOADER_WORKERS=1": ({"FT_DATALOADER_WORKERS": "1"}, one_worker),
-    "FT_PREFLIGHT=warn": ({"FT_PREFLIGHT": "warn", "FT_GPU_MEMORY_GB": "0.001"}, None),
-    "FT_PREFLIGHT=off": ({"FT_PREFLIGHT": "off", "FT_GPU_MEMORY_GB": "0.001"}, None),
-    "FT_GPU_MEMORY_GB=80": ({"FT_GPU_MEMORY_GB": "80"}, None),
+    "FT_PREFLIGHT=warn": (
+        {"FT_PREFLIGHT": "warn", "FT_GPU_MEMORY_GB": "0.001"},
+        printed("fulltune: preflight warning: the estimated peak GPU memory does not fit"),
+    ),
+    "FT_PREFLIGHT=off": ({"FT_PREFLIGHT": "off", "FT_GPU_MEMORY_GB": "0.001"}, printed("fulltune: memory plan: ", absent=("preflight warning",))),
+    "FT_GPU_MEMORY_GB=80": ({"FT_GPU_MEMORY_GB": "80"}, printed(" of 80.0 GB")),  # the plan is measured against 80 GB, not the CPU's none
 }
 
 # (overrides, error, message): values documented to stop before training on this machine.
@@ -287,13 +377,13 @@ REFUSED = {
 # Settings whose documented values are run by another test (a subprocess job, or no trainer involved).
 ELSEWHERE = {
     "FT_COMPILE": "test_compile_trains_on_cpu",
-    "FT_MODEL_REVISION": "test_local_datasets_train_end_to_end",  # empty (the default); a pinned revision needs the hub
-    "FT_DATASET_CONFIG": "test_local_datasets_train_end_to_end",  # empty; a configuration name needs the hub
-    "FT_DATASET_REVISION": "test_local_datasets_train_end_to_end",  # empty; a pinned revision needs the hub
+    "FT_MODEL_REVISION": "test_model_revision_loads_that_revision_of_a_hub_model_from_the_cache",  # a tag, a commit, and empty = main
+    "FT_DATASET_CONFIG": "test_hub_id_passes_configuration_split_and_revision",  # "en", asked of the (stubbed) hub
+    "FT_DATASET_REVISION": "test_hub_id_passes_configuration_split_and_revision",  # "a1b2c3"
     "FT_DATASET_SPLIT": "test_save_to_disk_folder_uses_the_named_split",
     "FT_OUTPUT_DIR": "test_runs_from_another_directory_with_a_relative_output_dir",
-    "FT_REGISTERED_MODEL": "test_local_datasets_train_end_to_end",  # empty = not registered
-    "FT_RUN_NAME": "test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configuration",  # empty = <model>_full-fine-tuning
+    "FT_REGISTERED_MODEL": "test_job_against_a_real_mlflow_server",  # ci.models.reverser there; empty = not registered here
+    "FT_RUN_NAME": "test_job_against_a_real_mlflow_server",  # nightly-7 there; empty = <model>_full-fine-tuning in test_job.py
     "FT_SYSTEM_METRICS": "test_demo_model_learns_to_reverse_held_out_word_lists",  # false there, true in test_job.py
     # 12 there; 0 (one try) in test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers
     "FT_REGISTRATION_RETRY_SECONDS": "test_a_server_still_down_at_the_end_exits_3_keeping_the_model_and_the_metrics_and_a_retry_sends_them_and_registers",
@@ -314,7 +404,7 @@ ELSEWHERE = {
     "FT_NODE_RANK": "test_two_nodes_train_one_model_in_one_run",
     "FT_MASTER_ADDR": "test_two_nodes_train_one_model_in_one_run",
     "FT_MASTER_PORT": "test_two_nodes_train_one_model_in_one_run",
-    "FT_COLLECTIVE_TIMEOUT_SECONDS": "test_a_rank_that_dies_fails_the_whole_job_fast",  # the default; the dead rank is noticed long before it
+    "FT_COLLECTIVE_TIMEOUT_SECONDS": "test_the_collective_timeout_is_what_the_process_groups_wait_for_a_silent_rank",  # 75
     "FT_EARLY_STOPPING_PATIENCE": "test_a_run_whose_eval_loss_rises_stops_early_with_exit_0_and_the_best_checkpoint_as_final_model",
     "FT_EVAL_SAMPLES": "test_the_same_validation_prompts_are_answered_at_step_0_and_at_each_evaluation",
     "FT_EVAL_SAMPLE_TOKENS": "test_each_answer_is_what_transformers_generates_greedily_from_that_steps_weights",
@@ -331,7 +421,7 @@ def env_for(overrides, demo_assets, files, out) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_each_documented_value_trains(name, demo_assets, files, tmp_path):
+def test_each_documented_value_trains(name, demo_assets, files, tmp_path, capsys):
     overrides, check = RUNS[name]
     out = tmp_path / "volume"
     if overrides.get("FT_PRESET") == "demo":
@@ -343,7 +433,7 @@ def test_each_documented_value_trains(name, demo_assets, files, tmp_path):
     assert trainer.state.global_step == int(overrides.get("FT_MAX_STEPS", STEPS))
     assert losses and all(math.isfinite(loss) for loss in losses), losses
     if check:
-        check(trainer, prepared, out)
+        check(trainer, prepared, out, capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

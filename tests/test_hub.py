@@ -51,3 +51,43 @@ def test_a_hub_that_accepts_but_never_answers_is_given_up_after_the_hub_timeout(
     assert f"the Hugging Face hub at {endpoint} is unreachable (ReadTimeout" in result.stderr and "3 tries in" in result.stderr
     print(f"silent hub: exit 1 after {elapsed:.1f} s")
     assert elapsed < 30, elapsed
+
+
+REVISION_SCRIPT = """
+import sys
+from trainer.core import config, settings
+from trainer.model import loading
+
+for revision in sys.argv[1:]:
+    loaded = settings.load({"FT_PLATFORM": "none", "FT_MODEL": "org/tiny-reverser", "FT_MODEL_REVISION": revision})
+    tokenizer = loading.load_tokenizer(loaded)
+    net = loading.load_model(loaded, tokenizer, config.build(loaded, cuda=False, bf16_supported=False).precision)
+    print("LAYERS", loading.read_config(loaded).num_hidden_layers, len(net.model.layers), flush=True)
+"""
+
+
+def test_model_revision_loads_that_revision_of_a_hub_model_from_the_cache(demo_assets, tmp_path):
+    """A hub cache (HF_HOME) holding two revisions of one model, as `hf download --revision` leaves it: main has 3 layers,
+    the tag v1 (and its commit) the demo's 2.  FT_MODEL_REVISION picks the config, tokenizer and weights the job loads."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    repo = tmp_path / "hf-home" / "hub" / "models--org--tiny-reverser"
+    commits = {"main": "a" * 40, "v1": "b" * 40}
+    for ref, commit in commits.items():
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+        shutil.copytree(demo_assets / "model", repo / "snapshots" / commit)
+    main_config = repo / "snapshots" / commits["main"] / "config.json"
+    three = json.loads(main_config.read_text())
+    main_config.write_text(json.dumps(three | {"num_hidden_layers": 3, "layer_types": three["layer_types"][:1] * 3}))
+
+    env = job_env(tmp_path / "volume", HF_HOME=str(tmp_path / "hf-home"), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", REVISION_SCRIPT, "v1", commits["v1"], ""], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layers = [line for line in done.stdout.splitlines() if line.startswith("LAYERS ")]
+    assert layers == ["LAYERS 2 2", "LAYERS 2 2", "LAYERS 3 3"]  # v1 by its tag, v1 by its commit, then the default: the hub's main

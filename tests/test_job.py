@@ -178,6 +178,8 @@ def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
         FT_SAVE_STEPS="10",
         MLFLOW_TRACKING_URI=mlflow_server.replace("http://", "http://ci:pw-do-not-leak@"),  # the server ignores basic auth
         MLFLOW_EXPERIMENT_NAME="server-test",
+        FT_RUN_NAME="nightly-7",  # not the default <model>_full-fine-tuning
+        FT_REGISTERED_MODEL="ci.models.reverser",  # not the demo preset's name
     )
     result = run_job(env)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -186,15 +188,17 @@ def test_job_against_a_real_mlflow_server(mlflow_server, tmp_path):
     assert "127.0.0.1" in on_volume and "pw-do-not-leak" not in on_volume + result.stdout + result.stderr
     mlflow.set_tracking_uri(mlflow_server)
     runs = mlflow.search_runs(experiment_names=["server-test"], output_format="list")
-    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].info.run_name == "nightly-7"
     assert "eval_loss" in runs[0].data.metrics
     report = (out / "report.html").read_text()  # the run report, uploaded to the server's artifact store, names the server without the password
     assert "pw-do-not-leak" not in report and "****@127.0.0.1" in report
     assert Path(mlflow.MlflowClient().download_artifacts(runs[0].info.run_id, "report.html", str(tmp_path))).read_text() == report
-    version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
+    assert [m.name for m in mlflow.MlflowClient().search_registered_models()] == ["ci.models.reverser"]
+    version = mlflow.MlflowClient().get_model_version("ci.models.reverser", "1")
     assert version.run_id == runs[0].info.run_id
-    model = mlflow.pyfunc.load_model(f"models:/{DEMO_NAME}/1")  # downloaded from the server's artifact store
-    assert_answers_as_transformers_does(served_greedy_answer(model, "Reverse: apple stone", 4), out / "final" / "model", "Reverse: apple stone", 4)
+    model = mlflow.pyfunc.load_model("models:/ci.models.reverser/1")  # downloaded from the server's artifact store
+    answer = served_greedy_answer(model, "Reverse: apple stone", 4)
+    assert_answers_as_transformers_does(answer, out / "final" / "model", "Reverse: apple stone", 4, name="ci.models.reverser")
 
 
 @pytest.mark.faults("a model registry that refuses the registration")

@@ -55,3 +55,33 @@ def test_a_flag_raised_at_the_last_step_is_seen_by_every_rank_when_training_ends
     found = _two_ranks(flagged_from=4)
     assert found[0]["seen"] == found[1]["seen"] == [False] * 5
     assert found[0]["after_last"] is found[1]["after_last"] is True
+
+
+
+TIMEOUT_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+from trainer.core import config, ranks, settings
+
+ranks.start(config.build(settings.load({"FT_PLATFORM": "none", "FT_COLLECTIVE_TIMEOUT_SECONDS": sys.argv[1]}), cuda=False, bf16_supported=False))
+# The gloo backend's own timeout (no public getter; torch 2.13): what a collective waits for a rank that stopped answering.
+timeouts = [group._get_backend(torch.device("cpu")).options._timeout.total_seconds() for group in (dist.group.WORLD, ranks._flags)]
+print("TIMEOUTS", *timeouts, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_collective_timeout_is_what_the_process_groups_wait_for_a_silent_rank():
+    """FT_COLLECTIVE_TIMEOUT_SECONDS=75 (1800 by default) reaches the training group and the flags' group of every rank."""
+    port = str(free_port())
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", TIMEOUT_SCRIPT, "75"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)})
+        for rank in range(2)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        assert "TIMEOUTS 75.0 75.0" in out.splitlines(), out

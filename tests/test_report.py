@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 import json
 import os
 import re
@@ -50,6 +51,44 @@ def table_after(page: str, heading: str) -> list[list[str]]:
     return [[html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S)] for row in rows]
 
 
+BLUE, ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's first two line colours: a chart's first and second metric
+
+
+def plotted(png: bytes, colour: tuple[int, int, int], points: list[list[float]], steps: tuple[float, float], values: tuple[float, float]) -> list:
+    """How far (pixels) from where each (step, value) point belongs the nearest pixel of `colour` in its column is (None:
+    nothing of that colour there).  Where it belongs: steps left to right and values bottom to top inside the axes' black
+    frame, spanning the given ranges plus matplotlib's 5 % margins (its default `axes.xmargin`/`ymargin`)."""
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    width, height = image.size
+    px = image.load()
+    rows = [y for y in range(height) if sum(px[x, y] == (0, 0, 0) for x in range(width)) > width / 2]
+    columns = [x for x in range(width) if sum(px[x, y] == (0, 0, 0) for y in range(height)) > height / 2]
+    left, right, top, bottom = columns[0], columns[-1], rows[0], rows[-1]
+    (s0, s1), (v0, v1) = steps, values
+    s0, s1, v0, v1 = s0 - 0.05 * (s1 - s0), s1 + 0.05 * (s1 - s0), v0 - 0.05 * (v1 - v0), v1 + 0.05 * (v1 - v0)
+    offsets = []
+    for step, value in points:
+        x, y = round(left + (step - s0) / (s1 - s0) * (right - left)), bottom - (value - v0) / (v1 - v0) * (bottom - top)
+        offsets.append(min((abs(row - y) for row in range(top, bottom) if px[x, row] == colour), default=None))
+    return offsets
+
+
+def test_a_chart_draws_each_logged_value_at_its_step_in_step_order():
+    """A zigzag, so that a dropped point, a wrong scale, swapped axes or an unsorted line all move a drawn pixel."""
+    loss = [[3, 3.0], [1, 4.0], [2, 1.0], [5, 0.5], [4, 2.0]]  # unsorted, as a step redone after a resume logs it
+    eval_loss = [[2, 3.5], [4, 2.5]]
+    png = report.chart_png("Loss (training, validation)", {"loss": loss, "eval_loss": eval_loss})
+    assert Image.open(io.BytesIO(png)).size == (640, 360)
+    near = lambda offsets: all(offset is not None and offset <= 3 for offset in offsets)  # noqa: E731 - the marker's radius
+    assert near(plotted(png, BLUE, loss, (1, 5), (0.5, 4.0))), plotted(png, BLUE, loss, (1, 5), (0.5, 4.0))
+    assert near(plotted(png, ORANGE, eval_loss, (1, 5), (0.5, 4.0))), plotted(png, ORANGE, eval_loss, (1, 5), (0.5, 4.0))
+    ordered = sorted(loss)
+    halfway = [[(s + t) / 2, (v + w) / 2] for (s, v), (t, w) in itertools.pairwise(ordered)]  # the line joins them in step order
+    assert near(plotted(png, BLUE, halfway, (1, 5), (0.5, 4.0))), plotted(png, BLUE, halfway, (1, 5), (0.5, 4.0))
+    # the last value, 0.5 at step 5, is the lowest point at the right end: not where a mirrored chart would put it
+    assert not near(plotted(png, BLUE, [[5, 4.0], [1, 0.5]], (1, 5), (0.5, 4.0))), "the axes are not swapped or mirrored"
+
+
 @pytest.mark.slow  # the demo job, 6 steps, in a subprocess
 def test_each_chart_draws_the_runs_mlflow_metric_history(reported_job):
     out, log, run, page = reported_job
@@ -60,12 +99,11 @@ def test_each_chart_draws_the_runs_mlflow_metric_history(reported_job):
         for key, points in series.items():
             history = [[m.step, m.value] for m in client.get_metric_history(run.info.run_id, key)]
             assert points == history and len(points) >= 2, (chart, key)
-        tag, png = images[chart]
-        plan = float(m.group(1)) if (m := re.search(r'data-plan-gb="([^"]+)"', tag)) else None
-        redrawn = report.chart_png(
-            report.CHARTS[chart][0], {key: [[m.step, m.value] for m in client.get_metric_history(run.info.run_id, key)] for key in series}, plan
-        )
-        assert png == redrawn, f"the {chart} image is not the chart of the run's history"
+    loss, eval_loss = data["loss"]["loss"], data["loss"]["eval_loss"]
+    values = [v for _, v in loss + eval_loss]
+    for colour, points in ((BLUE, loss), (ORANGE, eval_loss)):  # the loss chart's image shows those points where they belong
+        offsets = plotted(images["loss"][1], colour, points, (1, 6), (min(values), max(values)))
+        assert all(offset is not None and offset <= 3 for offset in offsets), offsets
     assert [p[0] for p in data["loss"]["loss"]] == [1, 2, 3, 4, 5, 6] and [p[0] for p in data["loss"]["eval_loss"]] == [3, 6]
     written = re.findall(r"^fulltune: run report \(([^)]+)\): (\S+) in [0-9.]+ s$", log, re.M)
     assert written == [("step 3", str(out / "report.html")), ("step 6", str(out / "report.html")), ("final", str(out / "report.html"))]

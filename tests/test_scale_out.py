@@ -354,3 +354,28 @@ def _training_process(entrypoint_pid: int) -> int:
     workers = subprocess.run(["pgrep", "-P", children[0]], capture_output=True, text=True).stdout.split()
     assert workers, "no training process under torchrun"
     return int(workers[0])
+
+
+@pytest.mark.faults("a NaN loss on one rank of two")
+def test_a_nan_loss_on_one_rank_stops_both_nodes_with_exit_5_and_keeps_the_last_good_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "volume"
+    quick = dict(FT_MAX_STEPS="12", FT_SAVE_STEPS="4", FT_EVAL_STEPS="4", FT_LOGGING_STEPS="2", FT_EVAL_SAMPLES="0", FT_EVAL_MAX_SAMPLES="16")
+    envs = node_envs(out, tmp_path, **TWO, **quick)
+    nodes = start_nodes([with_faults(env, nan_loss_on_rank="1:6") for env in envs], tmp_path, "nan")
+    codes = [node.wait(timeout=300) for node in nodes]
+    logs = [(tmp_path / f"nan-node{rank}.log").read_text() for rank in (0, 1)]
+    assert codes == [5, 5], logs  # rank 0's own loss was finite: it stops because rank 1's NaN reached it
+    assert "fault: rank 1: training pass 6 returns a NaN loss" in logs[1] and "fault:" not in logs[0]
+    assert "step=6/12 loss=nan" in logs[0]  # the logged loss is the ranks' mean: rank 0 shows rank 1's NaN
+    (aside,) = (out / "incomplete").iterdir()
+    assert re.fullmatch(r"checkpoint-8\.not-finite\.\d+", aside.name) and not (aside / "commit.json").exists()
+    last_good = out / "checkpoints" / "checkpoint-4"
+    for rank in (0, 1):  # each node's own exit line names the same step, the set-aside folder and the last good checkpoint
+        message = termination_message(envs[rank])
+        assert "exit 5: training diverged at step 8: the weights hold NaN or infinite values" in message, logs[rank]
+        assert f"set aside in {aside};" in message and f"the last good checkpoint is {last_good}." in message, message
+    assert committed_steps(out) == [4] and not (out / "checkpoints" / "checkpoint-8").exists()
+    assert all(bool(t.isfinite().all()) for t in load_file(last_good / "model.safetensors").values())
+    assert not (out / "final").exists()

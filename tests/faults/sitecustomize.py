@@ -26,6 +26,10 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
   FAULT_RECORD_LOAD_MEMORY=<file>      rank 0 appends to <file>, for each part of a resume (weights, optimizer states), a
                                        JSON line with its resident memory before and its peak during it, in bytes
                                        (/proc/self/status VmRSS and VmHWM, the peak reset first through /proc/self/clear_refs)
+
+
+  FAULT_NAN_LOSS_ON_RANK=1:15          the training process of rank 1 returns a NaN loss from its 15th training pass (only that
+                                       one): its gradients are NaN, the other ranks' are finite until they are averaged
 """
 
 import importlib.abc
@@ -204,11 +208,45 @@ def _record_load_memory(module):
     measured("_load_optimizer_and_scheduler")
 
 
+def _nan_loss_on_rank(module):
+    """A forward hook on the prepared model's last norm, in one rank's process only: that pass's hidden states times
+    NaN, so its loss is NaN whichever way the trainer computes it (TRL's fused head never returns `loss`)."""
+    rank, _, at = os.environ["FAULT_NAN_LOSS_ON_RANK"].partition(":")
+    passes = []
+    original = module.prepare_model
+
+    def poison(norm, args, output):
+        import torch
+
+        if not torch.is_grad_enabled():  # evaluation and sample answers
+            return output
+        passes.append(1)
+        if len(passes) != int(at):
+            return output
+        print(f"fault: rank {rank}: training pass {at} returns a NaN loss", file=sys.stderr, flush=True)  # rank 1's stdout is not shown
+        return output * float("nan")
+
+    def prepare_model(net, *args, **kwargs):
+        net = original(net, *args, **kwargs)
+        if os.environ.get("RANK") == rank:
+            net.model.norm.register_forward_hook(poison)
+        return net
+
+    module.prepare_model = prepare_model
+
+
+def _model_faults(module):
+    if os.environ.get("FAULT_OOM_ABOVE_SEQUENCES"):
+        _out_of_memory_above(module)
+    if os.environ.get("FAULT_NAN_LOSS_ON_RANK"):
+        _nan_loss_on_rank(module)
+
+
 PATCHES = {  # module -> (variables, patch)
     "trainer.checkpointing.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HOLD_AFTER_STOP_COMMIT"), _preemption_faults),
     "trainer.checkpointing.commits": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
-    "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES",), _out_of_memory_above),
+    "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES", "FAULT_NAN_LOSS_ON_RANK"), _model_faults),
     "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE",), _slow_checkpoint_write),
     "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY",), _record_load_memory),
 }

@@ -96,6 +96,8 @@ class RefuseNonFiniteCheckpoint(TrainerCallback):
         target = folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if ranks.is_main():
             target = commits.set_aside(folder, self.quarantine_dir or Volume(os.path.dirname(os.path.abspath(args.output_dir))).incomplete, "not-finite")
+        if ranks.world_size() > 1:  # every rank's exit line names where rank 0 put it, not the folder that is gone
+            target = ranks.gather(target)[0]
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise diverged(state.global_step, f"the weights hold NaN or infinite values ({shown or 'on another rank'}); "
                                           f"that checkpoint is set aside in {target}", args.output_dir)

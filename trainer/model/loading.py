@@ -71,13 +71,14 @@ def load_model(settings: Settings, tokenizer: Any, precision: Precision) -> Any:
     return model
 
 
-def parameter_count(config: Any) -> int:
-    """Parameters of a causal LM from its config alone (used for metadata and the memory plan)."""
+def parameter_count(config: Any, trust_remote_code: bool = False) -> int:
+    """Parameters of a causal LM from its config alone (used for metadata and the memory plan).  `trust_remote_code`:
+    FT_TRUST_REMOTE_CODE, for a config whose model class is the model's own code (without it transformers asks on stdin)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return sum(p.numel() for p in model.parameters())
 
 

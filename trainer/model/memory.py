@@ -216,7 +216,7 @@ def preflight(job: Config) -> Plan:
     settings, precision, cuda = job.settings, job.precision, job.cuda
     trust.check_model(settings)  # whatever FT_PREFLIGHT says: no pickle weights, no model code, unless allowed
     config = model.read_config(settings)
-    n_params = model.parameter_count(config)
+    n_params = model.parameter_count(config, settings.trust_remote_code)
     capacity = device_capacity(settings, cuda)
     chosen = plan(config, n_params, settings, precision, capacity, settings.activation_checkpointing, job.world_size)
     print(f"fulltune: memory plan: {chosen.describe()}", flush=True)

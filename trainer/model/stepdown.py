@@ -102,7 +102,8 @@ def _plans(job: Config, plan: memory.Plan) -> list[memory.Plan]:
     config = model.read_config(job.settings)
     settings = job.settings
     return memory.candidates(
-        config, model.parameter_count(config), settings, job.precision, plan.capacity, settings.activation_checkpointing, plan.processes, plan.strategy
+        config, model.parameter_count(config, settings.trust_remote_code), settings, job.precision, plan.capacity,
+        settings.activation_checkpointing, plan.processes, plan.strategy,
     )
 
 

@@ -39,7 +39,7 @@ def print_plan(config: Config, prepared: Prepared, plan: memory.Plan) -> None:
 
 def _checkpoint_cost(config: Config, plan: memory.Plan) -> str:
     """The checkpoint's size and how long the volume takes to write it (measured now: 32 MiB, flushed)."""
-    n_params = model.parameter_count(model.read_config(config.settings))
+    n_params = model.parameter_count(model.read_config(config.settings), config.settings.trust_remote_code)
     size = config.precision.checkpoint_bytes * n_params
     staging = memory.checkpoint_staging_bytes(config.precision, n_params, plan.strategy, config.world_size)
     speed = saving.write_speed(Volume(config.settings.output_dir).state) if ranks.is_main() else None
