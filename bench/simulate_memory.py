@@ -10,7 +10,8 @@
 The technique is torchtitan's scripts/estimate/estimation.py: build the model under
 `torch._subclasses.fake_tensor.FakeTensorMode` (no memory behind any tensor), run the step the job runs, and let
 `torch.distributed._tools.mem_tracker.MemTracker` (`FSDPMemTracker` for FSDP) account every storage as parameter,
-gradient, optimizer state, activation or temporary, while `torch.utils.flop_counter.FlopCounterMode` counts FLOPs.
+gradient, optimizer state, activation or temporary, while `torch.utils.flop_counter.FlopCounterMode` counts FLOPs
+(its total only: its per-module tracking would keep the recomputed layers alive, `flop_counter`).
 What runs is the job's: bf16 autocast over fp32 weights (or bf16 weights with FT_PRECISION=bf16-sr and its AdamW),
 fused AdamW, non-reentrant activation checkpointing through transformers' `every_n_layers`, the padding-free
 per-sequence attention (trainer/model/attention.py) and TRL's chunked loss (its plain-torch path: the device is
