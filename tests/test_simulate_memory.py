@@ -59,4 +59,6 @@ def test_recomputed_layers_free_their_tensors_in_the_backward_and_the_simulator_
     assert watched["at"]["embedding"] == freed["at"]["embedding"]  # MemTracker changes nothing alive ...
     assert watched["memtracker peak"] == pytest.approx(watched["peak"], rel=1e-3)  # ... and counts what is
     simulated = simulate_memory.simulate(_small(4), sequences=2, length=128, recompute=1, fake=False)
-    assert simulated["peak"] / 1e9 == pytest.approx(freed["peak"], rel=0.01)  # the simulator reports the live peak
+    # the simulator reports what is alive, in the layers' backward too, where the recomputed tensors were counted
+    assert simulated["phases"]["backward 1 layers"]["Total"] / 1e9 == pytest.approx(freed["layers peak"], rel=0.005)
+    assert simulated["peak"] / 1e9 == pytest.approx(freed["peak"], rel=0.005)
