@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -109,17 +110,18 @@ MEASURE = textwrap.dedent(
 
 @pytest.mark.slow  # three training subprocesses
 def test_estimate_follows_the_measured_peak_on_cpu_for_each_recomputation_policy():
-    """No recomputation, every 2nd layer (FT_ACTIVATION_CHECKPOINTING=selective) and every layer (full)."""
+    """No recomputation, every 2nd layer (FT_ACTIVATION_CHECKPOINTING=selective) and every layer (full).
+
+    glibc's malloc raises its mmap threshold each time a large block is freed (up to 32 MiB), so the tensors that
+    follow come from the heap and what they free stays resident: under its defaults the resident set of a step with
+    every layer recomputed peaks ~30 % above its live tensors (bench/recompute_retention.py --rss).  A fixed
+    threshold turns that off, and the resident set follows the tensors."""
     results = {}
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072"}
     for every in (0, 2, 1):
-        out = subprocess.run([sys.executable, "-c", MEASURE, str(every)], cwd=ROOT, capture_output=True, text=True, timeout=180, check=True)
+        out = subprocess.run([sys.executable, "-c", MEASURE, str(every)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=True)
         results[every] = json.loads(out.stdout.strip().splitlines()[-1])
-    error = results[0]["estimated"] / results[0]["measured"] - 1
-    assert abs(error) <= memory.TOLERANCE, results
-    # With recomputation the resident set peaks 15-22 % above the plan, which follows MemTracker's count of the same
-    # step within 5 % (tests/test_plan_vs_simulation.py): an open disagreement (docs/memory-plan.md) until a GPU
-    # measures it; here the plan must not be above what was measured.
-    assert all(results[every]["estimated"] <= results[every]["measured"] * (1 + memory.TOLERANCE) for every in (2, 1)), results
+    assert all(abs(results[every]["estimated"] / results[every]["measured"] - 1) <= memory.TOLERANCE for every in (0, 2, 1)), results
     measured = [results[every]["measured"] for every in (0, 2, 1)]
     assert measured[0] > measured[1] > measured[2], results  # selective saves memory, full saves more
 

@@ -1,11 +1,13 @@
 """The memory plan against torch's own accounting of the same step (bench/simulate_memory.py, fake tensors).
 
-Qwen3-4B's sizes with 4 decoder layers for every case of issue 19 (seconds each), the per-layer terms from 2 and 4
-layers, and one full-size case.  The plan's CUDA-only terms (`workspace`) are not simulated and left out here.
+Qwen3-4B's sizes with 2 decoder layers for every case of issue 19 (seconds each), the per-layer terms from 2 and 4
+layers (the 2-layer simulation shared), and one full-size case.  The plan's CUDA-only terms (`workspace`) are not
+simulated and left out here.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -38,17 +40,21 @@ def planned(config, precision, sequences, length, passes, every, processes=1):
     return {name: sum(v for k, v in parts.items() if k != "workspace") for name, parts in each.items()}
 
 
-def simulated(config, precision, sequences, length, passes, every, processes=1):
+def qwen3_4b(layers=None):
+    return simulate_memory.qwen3_config(simulate_memory.DEFAULT_CONFIG, layers=layers)
+
+
+@functools.cache  # each simulated step once per session: the per-layer test reuses the cases' 2-layer one
+def simulated(layers, precision, sequences, length, passes, every, processes=1, config_path=simulate_memory.DEFAULT_CONFIG):
+    config = simulate_memory.qwen3_config(config_path, layers=layers)
     return simulate_memory.simulate(config, precision=precision, sequences=sequences, length=length, passes=passes, recompute=every, processes=processes)
 
 
-@pytest.mark.slow  # eight simulated steps, ~10 s each
+@pytest.mark.slow  # eight simulated steps, ~5 s each
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_planned_peak_is_within_5_percent_of_the_simulated_one(case):
-    config = simulate_memory.qwen3_config(simulate_memory.DEFAULT_CONFIG, layers=4)
-    result = simulated(config, *CASES[case])
-    plan = planned(config, *CASES[case])
-    assert max(plan.values()) == pytest.approx(result["planned_peak"], rel=memory.SIMULATED_TOLERANCE), (plan, result["phases"])
+    result, plan = simulated(2, *CASES[case]), planned(qwen3_4b(2), *CASES[case])
+    assert max(plan.values()) == pytest.approx(result["peak"], rel=memory.SIMULATED_TOLERANCE), (plan, result["phases"])
     forward = max(snap["Total"] for name, snap in result["phases"].items() if name.startswith("forward"))
     assert plan["forward"] == pytest.approx(forward, rel=memory.SIMULATED_TOLERANCE)  # the phase too, not only the peak
     assert plan["optimizer"] == pytest.approx(result["phases"]["optimizer"]["Total"], rel=0.01)
@@ -57,18 +63,18 @@ def test_the_planned_peak_is_within_5_percent_of_the_simulated_one(case):
 @pytest.mark.slow
 def test_one_fsdp_rank_of_qwen3_8b_on_4_gpus_is_planned_within_5_percent():
     """FSDP2 over a fake process group of 4 (the device mesh built outside fake mode), FSDPMemTracker's accounting."""
-    config = simulate_memory.qwen3_config(str(ROOT / "bench" / "configs" / "qwen3-8b" / "config.json"), layers=4)
-    result = simulated(config, "bf16-mixed", 1, 2048, 1, 1, processes=4)
-    assert max(planned(config, "bf16-mixed", 1, 2048, 1, 1, processes=4).values()) == pytest.approx(result["planned_peak"], rel=memory.SIMULATED_TOLERANCE)
+    result = simulated(4, "bf16-mixed", 1, 2048, 1, 1, processes=4, config_path=simulate_memory.QWEN3_8B)
+    config = simulate_memory.qwen3_config(simulate_memory.QWEN3_8B, layers=4)
+    assert max(planned(config, "bf16-mixed", 1, 2048, 1, 1, processes=4).values()) == pytest.approx(result["peak"], rel=memory.SIMULATED_TOLERANCE)
 
 
 @pytest.mark.slow
 def test_each_layer_adds_the_planned_saved_activations_and_bf16_copy():
     """From 2 to 4 layers without recomputation, the forward's peak grows by two layers' saved tensors (216 KB a token
     for Qwen3-4B in bf16) and two layers' bf16 weight copies, as the plan counts them."""
-    small, large = (simulate_memory.qwen3_config(simulate_memory.DEFAULT_CONFIG, layers=n) for n in (2, 4))
-    grown = (simulated(large, "bf16-mixed", 1, 2048, 1, 0)["phases"]["forward 1"]["Activation"]
-             - simulated(small, "bf16-mixed", 1, 2048, 1, 0)["phases"]["forward 1"]["Activation"])
+    small, large = qwen3_4b(2), qwen3_4b(4)
+    grown = (simulated(4, "bf16-mixed", 1, 2048, 1, 0)["phases"]["forward 1"]["Activation"]
+             - simulated(2, "bf16-mixed", 1, 2048, 1, 0)["phases"]["forward 1"]["Activation"])
     s = estimate.shape(large)
     layer_params = (memory.parameter_count(large) - memory.parameter_count(small)) / 2
     per_layer = 2048 * estimate.layer_bytes_per_token(s, 2) + 2 * layer_params
@@ -78,9 +84,8 @@ def test_each_layer_adds_the_planned_saved_activations_and_bf16_copy():
 
 @pytest.mark.slow  # ~15 s on a quiet machine, a minute on a busy one
 def test_the_whole_qwen3_4b_with_full_recomputation_matches_its_simulation():
-    config = simulate_memory.qwen3_config(simulate_memory.DEFAULT_CONFIG)
-    result = simulated(config, "bf16-mixed", 1, 2048, 1, 1)
-    assert max(planned(config, "bf16-mixed", 1, 2048, 1, 1).values()) == pytest.approx(result["planned_peak"], rel=memory.SIMULATED_TOLERANCE)
+    result = simulated(None, "bf16-mixed", 1, 2048, 1, 1)
+    assert max(planned(qwen3_4b(), "bf16-mixed", 1, 2048, 1, 1).values()) == pytest.approx(result["peak"], rel=memory.SIMULATED_TOLERANCE)
 
 
 def test_the_parameter_count_from_config_json_alone_is_transformers_count():

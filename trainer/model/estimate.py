@@ -17,14 +17,9 @@ FORWARD_TILE_BYTES = 15  # per tile element: the bf16 product and the torch fold
 BACKWARD_TILE_BYTES = 30  # the recomputed tile, its fp32 gradient and the fp32 upcasts of the torch path
 STREAM_COPIES = {4: 14, 2: 8}  # per token, x hidden bytes: embeddings, final norm, the LM head's input, by weight bytes
 TIED_GRADIENT_COPIES = 3  # the LM head's and the embedding's gradients of a tied weight, and their sum, at once
-# MemTracker counts a recomputed layer's tensors as alive until the backward ends (on fake and real tensors; the RSS
-# of a real CPU step is higher still, tests/test_memory.py), a count of a real step's live tensors does not find them
-# (docs/memory-plan.md).  Left out until a GPU's max_memory_allocated decides; fitted to the simulation they are
-# 0.61 of the layer's saved tensors and 0.59 of its bf16 weight copy per recomputed layer.
-RETAINED_ACTIVATIONS, RETAINED_COPY = 0.0, 0.0
-# FSDPMemTracker counts each recomputed layer's unsharded tensors (bf16 casts and their gradients) until the backward
-# ends: 2.76 B per layer parameter for Qwen3-8B on 4 ranks at 2048 tokens; kept in the plan until a GPU run says
-FSDP_RECOMPUTED_PER_LAYER_PARAM = 2.76
+# No term for the recomputed layers at the backward's end: each layer's recomputed tensors are freed by its own
+# backward.  The simulator once counted them until the backward ended (+13 GB for Qwen3-4B at 1 x 2048, and 2.76 B
+# per layer parameter for an FSDP rank): its FlopCounterMode held them, not the step (bench/recompute_retention.py).
 CUDA_CONTEXT, CUBLAS_WORKSPACE, ALLOCATOR_SLACK = 2**30 - 2**27, 2**27, 0.05  # 1 GiB + 5 %, unchanged until a GPU measures them
 
 
@@ -132,14 +127,12 @@ def phases(
             "gradients": gradients if passes_per_step > 1 else precision.gradient_bytes * layer_params * layers / shards,
             "root gradients": precision.gradient_bytes * root * (TIED_GRADIENT_COPIES if s["tied"] else 1),
             "layer gradient, reduce-scatter": precision.gradient_bytes * layer_params,
-            "recomputed layers": FSDP_RECOMPUTED_PER_LAYER_PARAM * layer_params * recomputed,
         }
     else:
         backward_end = static | {
             "gradients": gradients if passes_per_step > 1 else precision.gradient_bytes * (n_params - embedding),
             "tied gradient": TIED_GRADIENT_COPIES * precision.gradient_bytes * embedding if s["tied"] else precision.gradient_bytes * embedding,
             "activations": STREAM_COPIES[stream] * h * tokens if recomputed else 0.0,  # the embeddings' output and the final norm's
-            "recomputed layers": recomputed * (RETAINED_ACTIVATIONS * tokens * layer_bytes_per_token(s, act, stream) + RETAINED_COPY * copies / layers),
         }
     largest = max(embedding, layer_params)  # the per-parameter loop's fp32 temporaries (trainer/model/optim.py)
     update = static | {"gradients": gradients, "update": (12 * largest if precision.stochastic_rounding else 0.0)}
