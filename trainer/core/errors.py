@@ -23,7 +23,8 @@ EXIT_CODES = {
        "FT_TRUST_REMOTE_CODE; a preflight that does not fit GPU memory or the volume (FT_PREFLIGHT=fail); data that cannot be read or has bad "
        "rows (FT_BAD_ROWS=fail); a chat template FT_LOSS_ON=assistant cannot mask; checkpoints on the volume from another configuration, or "
        "written under FSDP for a job without it (or the reverse, or in the gathered FSDP layout of earlier versions); "
-       "an MLflow URI this MLflow cannot use; a training process started without entrypoint.py; `entrypoint.py plan` for a job that does not fit the card. A retry cannot help: fix the named variable, file or row.",
+       "an MLflow URI this MLflow cannot use; a training process started without entrypoint.py; "
+       "`entrypoint.py plan` for a job that does not fit the card. A retry cannot help: fix the named variable, file or row.",
     3: "The model was trained and saved, but registration in MLflow failed, or the MLflow server did not answer "
        "at the end within FT_REGISTRATION_RETRY_SECONDS (the message says where the model is; metrics not sent "
        "are kept on the volume). A retry skips training: it sends what was kept, registers and finishes the run.",
