@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import committed_steps
-from trainer.checkpointing import commits, saving
+from conftest import committed_steps, wait_for
+from trainer.checkpointing import commits, forked, saving
 from trainer.core import settings
 from trainer.core.errors import ConfigError
 
@@ -83,6 +83,52 @@ def test_an_error_in_the_background_write_is_raised_at_the_next_wait(tiny_traine
     trainer.state.global_step = 4
     saving.save(trainer, None, saver.saves, saver._commit)
     with pytest.raises(OSError, match="No space left"):
+        saver.saves.wait()
+    assert committed_steps(volume) == []
+
+
+def test_on_cpu_a_forked_process_writes_the_snapshot_and_a_stop_signal_sent_to_it_does_not_end_it(tiny_trainer, monkeypatch, tmp_path):
+    """The writer is another process (copy-free snapshot); SIGTERM to the job's process group reaches it too, and
+    only the job may act on it: the writer finishes and the checkpoint commits."""
+    import os
+    import signal
+
+    trainer, saver, volume = tiny_trainer
+    original, writer, go = saving.write_snapshot, tmp_path / "writer-pid", tmp_path / "go"
+
+    def marked(*args):
+        writer.write_text(str(os.getpid()))
+        wait_for(go.exists, timeout=60, what="the test's go")
+        original(*args)
+
+    monkeypatch.setattr(saving, "write_snapshot", marked)
+    trainer.state.global_step = 5
+    saving.save(trainer, None, saver.saves, saver._commit)
+    wait_for(writer.exists, timeout=60, what="the writer to start")
+    pid = int(writer.read_text())
+    assert pid != os.getpid()
+    os.kill(pid, signal.SIGTERM)
+    go.touch()
+    saver.saves.wait()
+    assert committed_steps(volume) == [5]
+    assert commits.damage(str(volume / "checkpoints" / "checkpoint-5")) is None
+
+
+def test_a_writer_process_that_dies_leaves_the_checkpoint_uncommitted_and_the_error_says_how_it_died(tiny_trainer, monkeypatch):
+    import os
+    import signal
+
+    trainer, saver, volume = tiny_trainer
+    test = os.getpid()
+
+    def killed(*args):
+        assert os.getpid() != test, "the snapshot was not written by a forked process"
+        os.kill(os.getpid(), signal.SIGKILL)  # the kernel's out-of-memory killer, say
+
+    monkeypatch.setattr(saving, "write_snapshot", killed)
+    trainer.state.global_step = 6
+    saving.save(trainer, None, saver.saves, saver._commit)
+    with pytest.raises(forked.WriterFailed, match="killed by SIGKILL.*checkpoint-6 is not committed"):
         saver.saves.wait()
     assert committed_steps(volume) == []
 
