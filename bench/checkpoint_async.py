@@ -89,7 +89,8 @@ def state(args: argparse.Namespace) -> None:
     for kind, rows_ in results.items():
         print(f"| {kind} | {statistics.median(r[0] for r in rows_):.2f} | {' · '.join(f'{r[0]:.2f}' for r in rows_)} | "
               f"{statistics.median(r[1] for r in rows_):.2f} | {rows_[0][2]:,} |")
-    print(f"async blocks {async_blocked / sync_blocked:.1%} of the synchronous save's time")
+    pairs = " · ".join(f"{a[0] / s[0]:.1%}" for s, a in zip(results["sync"], results["async"], strict=True))
+    print(f"async blocks {async_blocked / sync_blocked:.1%} of the synchronous save's time (each interleaved pair: {pairs})")
     shutil.rmtree(args.out, ignore_errors=True)
 
 

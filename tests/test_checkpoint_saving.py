@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import committed_steps, wait_for
+from conftest import ROOT, committed_steps, wait_for
 from trainer.checkpointing import commits, forked, saving
 from trainer.core import settings
 from trainer.core.errors import ConfigError
@@ -157,3 +157,30 @@ def test_save_every_minutes_saves_at_the_first_evaluation_step_after_the_interva
 def test_a_negative_save_interval_exits_2_naming_the_variable():
     with pytest.raises(ConfigError, match="FT_SAVE_EVERY_MINUTES"):
         settings.load({"FT_PLATFORM": "none", "FT_SAVE_EVERY_MINUTES": "-1"})
+
+
+def test_a_writer_process_dies_with_the_job_so_a_killed_job_leaves_no_writer_behind(tmp_path):
+    """A job that exits during a write (a stop past its deadline, a SIGKILL) takes its writer with it: nothing
+    writes on into a folder the next start sets aside."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys, time\n"
+        "from trainer.checkpointing import forked\n"
+        "child = forked.start(lambda: time.sleep(120), 'checkpoint-1')\n"
+        "print(child.pid, flush=True)\n"
+        "os._exit(76)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 76, done.stderr
+    pid = int(done.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # killed, not yet reaped by init
+        except FileNotFoundError:
+            return True
+
+    wait_for(gone, timeout=30, what=f"writer process {pid} to die with the job")

@@ -240,8 +240,9 @@ def preflight(job: Config) -> Plan:
 
 def checkpoint_staging_bytes(precision: Precision, n_params: int, strategy: str, processes: int) -> int:
     """Host memory a process holds for the snapshot of an asynchronous checkpoint (trainer/checkpointing/saving.py):
-    its weights and AdamW states, copied once and reused from save to save.  Under FSDP each process stages its
-    own shard; otherwise the main process stages the whole state."""
+    its weights and AdamW states, copied once and reused from save to save (on CPU, the pages training rewrites
+    while the forked writer runs: the whole state at worst).  Under FSDP each process stages its own shard;
+    otherwise the main process stages the whole state."""
     whole = precision.checkpoint_bytes * n_params
     return -(-whole // processes) if strategy == "fsdp" else whole
 
