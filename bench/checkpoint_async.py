@@ -75,6 +75,8 @@ def state(args: argparse.Namespace) -> None:
                 blocked = saver.costs.blocked[-1]
                 saver.saves.wait()
                 results[kind].append((blocked, saver.costs.background[-1], folder_bytes(folder)))
+                touched = saver.costs.touched[-1] if saver.costs.touched else 0
+                print(f"async save {i + 1}: pages touched by training while the writer ran {touched / 1e9:.2f} GB", flush=True)
             blocked, background, size = results[kind][-1]
             print(f"{kind} save {i + 1}: blocked {blocked:.2f} s, background {background:.2f} s, {size / 1e9:.2f} GB", flush=True)
             shutil.rmtree(folder)
@@ -87,7 +89,8 @@ def state(args: argparse.Namespace) -> None:
     for kind, rows_ in results.items():
         print(f"| {kind} | {statistics.median(r[0] for r in rows_):.2f} | {' · '.join(f'{r[0]:.2f}' for r in rows_)} | "
               f"{statistics.median(r[1] for r in rows_):.2f} | {rows_[0][2]:,} |")
-    print(f"async blocks {async_blocked / sync_blocked:.1%} of the synchronous save's time")
+    pairs = " · ".join(f"{a[0] / s[0]:.1%}" for s, a in zip(results["sync"], results["async"], strict=True))
+    print(f"async blocks {async_blocked / sync_blocked:.1%} of the synchronous save's time (each interleaved pair: {pairs})")
     shutil.rmtree(args.out, ignore_errors=True)
 
 

@@ -1,12 +1,13 @@
 """Checkpoint saves that do not stall training: a snapshot in host memory, written and committed in the background.
 
-Training waits only while the state is copied into host memory: torch's checkpoint stager
-(`torch.distributed.checkpoint.staging.DefaultStager`, the one `dcp.async_save` uses; pinned buffers on a GPU,
-kept from one save to the next), plus the few small files (scheduler, RNG states, trainer state).  A background
-thread then writes the snapshot, flushes and checksums every file and writes `commit.json` last
-(checkpointing/commits.py).  At most one save is in flight: the next one first waits for it, and that wait is
-counted as time blocked.  A crash or SIGKILL in the background leaves a folder without a manifest, which the next
-start sets aside as it always did.
+Training waits only for the snapshot of the state, plus the few small files (scheduler, RNG states, trainer
+state).  On a GPU the snapshot is a copy into host memory by torch's checkpoint stager
+(`torch.distributed.checkpoint.staging.DefaultStager`, the one `dcp.async_save` uses; pinned buffers kept from one
+save to the next).  On CPU it is a fork (checkpointing/forked.py): the child writes the state frozen in its
+address space, copy-on-write, with no copy up front.  A background thread then writes the snapshot (or waits for
+the child), flushes and checksums every file and writes `commit.json` last (checkpointing/commits.py).  At most
+one save is in flight: the next one first waits for it, and that wait is counted as time blocked.  A crash or
+SIGKILL in the background leaves a folder without a manifest, which the next start sets aside as it always did.
 
 Why this much of our own code: transformers 5.24 has no asynchronous save, and `dcp.async_save` writes DCP's own
 layout, which the Trainer's resume (exact, tests/test_preemption.py) and its best-model reload do not read.  So
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from trainer.checkpointing import forked
 from trainer.core import ranks
 
 TRAINING_ARGS_JSON = "training_args.json"  # instead of transformers' training_args.bin, a pickle of the arguments
@@ -42,6 +44,7 @@ class Costs:
     blocked: list[float] = dataclasses.field(default_factory=list)  # seconds training waited, per save
     waited: float = 0.0  # of those, seconds spent waiting for the previous save to finish
     background: list[float] = dataclasses.field(default_factory=list)  # seconds each background write and commit took
+    touched: list[int] = dataclasses.field(default_factory=list)  # bytes of pages training touched while a forked writer ran
     bytes: int = 0  # of the last committed checkpoint
 
     @property
@@ -68,6 +71,7 @@ class Saves:
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
+        self.forks = not pinned  # on CPU the snapshot is a fork (forked.py); a fork that fails falls back to the copy
         self._executor: ThreadPoolExecutor | None = None
         self._stager: Any = None
         self._inflight: Future | None = None
@@ -82,6 +86,31 @@ class Saves:
             options = StagingOptions(use_pinned_memory=self.pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=self.pinned)
             self._stager = DefaultStager(options)
         return self._stager.stage(state_dict)
+
+    def snapshot(self, trainer: Any, folder: str, background: bool) -> Callable[[], None]:
+        """Take the snapshot of the weights and optimizer states now; what writes them into `folder` afterwards."""
+
+        def live() -> dict:
+            return {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
+
+        if not background:  # written before the save returns: nothing changes the state meanwhile
+            return lambda: write_snapshot(trainer, folder, live())
+        if self.forks and forked.available() and not _cuda_initialized():
+            try:
+                child = forked.start(lambda: write_snapshot(trainer, folder, live()), folder)
+            except OSError as error:  # no memory or process left for a fork (a strict overcommit policy)
+                print(f"fulltune: warning: cannot fork the checkpoint writer ({error}); snapshots are copies from now on", flush=True)
+                self.forks = False
+            else:
+                return lambda: self._wait_for(child)
+        staged = self.stage(live())
+        return lambda: write_snapshot(trainer, folder, staged)
+
+    def _wait_for(self, child: forked.Child) -> None:
+        try:
+            child.wait()
+        finally:
+            self.costs.touched.append(child.touched())
 
     def start(self, job: Callable[[], None]) -> None:
         if self._executor is None:
@@ -151,14 +180,14 @@ def save(trainer: Any, trial: Any, saves: Saves, committed: Callable[[str, int, 
     trainer.store_flos()
     run_dir = trainer._get_output_dir(trial=trial)
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-    staged = None
+    write: Callable[[], None] | None = None
     if trainer.is_fsdp_enabled:
         # SHARDED_STATE_DICT (recipe.fsdp_config): accelerate's save_fsdp_model/save_fsdp_optimizer write DCP folders,
         # each rank its own shard in parallel, flushed (FileSystemWriter's sync_files) before dcp.save returns on any rank
         trainer._save_optimizer_and_scheduler(folder)
     elif args.should_save:
-        staged = saves.stage({"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()})
         os.makedirs(folder, exist_ok=True)
+        write = saves.snapshot(trainer, folder, background and ranks.is_main())
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER_NAME))
     ranks.barrier()  # the folder exists for every rank before the best checkpoint is looked up
     if state.best_global_step:
@@ -180,8 +209,8 @@ def save(trainer: Any, trial: Any, saves: Saves, committed: Callable[[str, int, 
     step, best = state.global_step, state.best_model_checkpoint
 
     def finish() -> None:
-        if staged is not None:
-            write_snapshot(trainer, folder, staged)
+        if write is not None:
+            write()
         if committed is not None and ranks.is_main():
             committed(folder, step, best)
 
@@ -191,6 +220,12 @@ def save(trainer: Any, trial: Any, saves: Saves, committed: Callable[[str, int, 
         finish()
     saves.costs.blocked.append(time.perf_counter() - began)
     return folder
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
 
 
 def write_speed(folder: str) -> float | None:

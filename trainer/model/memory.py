@@ -240,7 +240,8 @@ def preflight(job: Config) -> Plan:
 
 def checkpoint_staging_bytes(precision: Precision, n_params: int, strategy: str, processes: int) -> int:
     """Host memory a process holds for the snapshot of an asynchronous checkpoint (trainer/checkpointing/saving.py):
-    its weights and AdamW states, copied once and reused from save to save, on the main process.  Under FSDP
+    its weights and AdamW states, copied once and reused from save to save, on the main process (on CPU, the pages
+    training rewrites while the forked writer runs: the whole state at worst).  Under FSDP
     nothing is staged: each process writes its own shard through DCP straight from its memory (a tensor at a time
     from a GPU)."""
     return 0 if strategy == "fsdp" else precision.checkpoint_bytes * n_params
