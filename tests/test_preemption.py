@@ -61,10 +61,10 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
     stopped_at = time.monotonic()
     job.send_signal(signal.SIGTERM)
     assert job.wait(timeout=60) == 75, (tmp_path / "1.log").read_text()
-    assert time.monotonic() - stopped_at < 10
+    assert time.monotonic() - stopped_at < 30  # well inside the stop deadline, on a loaded machine too
     log = (tmp_path / "1.log").read_text()
     stop_step = max(committed_steps(out))
-    assert stop_step > 10, log
+    assert 10 < stop_step < 40, log  # stopped where the signal found it, not at the end of training
     assert f"checkpoint at step {stop_step} committed" in log
     assert "exit 75" in termination_message(env)
     assert [r.info.status for r in mlflow_runs(out)] == ["KILLED"]  # metrics flushed, run closed, resumable
