@@ -62,8 +62,10 @@ def _hold_after_stop_commit(module):
     def on_save(self, args, state, control, **kwargs):
         result = original(self, args, state, control, **kwargs)
         if self.requested:
-            with open(os.environ["FAULT_HOLD_AFTER_STOP_COMMIT"], "w") as f:
+            path = os.environ["FAULT_HOLD_AFTER_STOP_COMMIT"]
+            with open(f"{path}.tmp", "w") as f:
                 f.write(str(state.global_step))
+            os.replace(f"{path}.tmp", path)  # the test reads it as soon as it exists: never empty
             time.sleep(8)
         return result
 
