@@ -208,7 +208,11 @@ class MlflowServer:
         command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
                    "--backend-store-uri", f"sqlite:///{self.folder}/server.db", "--artifacts-destination", str(self.folder / "server-artifacts")]
         log = open(self.folder / "server.log", "a")  # noqa: SIM115 - closed with the process
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: kill takes the workers too
+        # Without MLflow 3's job runner (GenAI jobs: four more processes, each importing MLflow); tracking and the
+        # registry are served the same.
+        env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        # its own process group: kill takes the workers too
+        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(self.answers, timeout=120, what="mlflow server")
         return self
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlflow
@@ -17,14 +15,13 @@ from conftest import (
     DEMO_NAME,
     ROOT,
     SECRET,
+    MlflowServer,
     assert_answers_as_transformers_does,
     committed_steps,
-    free_port,
     greedy_reply,
     job_env,
     run_job,
     termination_message,
-    wait_for,
 )
 
 
@@ -129,42 +126,9 @@ def test_registration_is_one_copy_of_the_weights_on_the_volume(demo_job):
 
 @pytest.fixture
 def mlflow_server(tmp_path):
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"sqlite:///{tmp_path}/server.db",
-            "--artifacts-destination",
-            str(tmp_path / "server-artifacts"),
-        ],
-        stdout=open(tmp_path / "server.log", "w"),
-        stderr=subprocess.STDOUT,  # noqa: SIM115
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return True
-        except OSError:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            return False
-
-    wait_for(healthy, timeout=90, what="mlflow server")
-    time.sleep(1)
-    yield url
-    server.terminate()
-    server.wait(timeout=30)
+    server = MlflowServer(tmp_path).start()
+    yield server.url
+    server.kill()
 
 
 @pytest.mark.slow  # an MLflow server and the demo job in subprocesses
