@@ -5,7 +5,9 @@
     docker run --gpus 1 -v /data/run1:/output fulltune           # the reference job
     FT_MODEL=bench/configs/qwen3-8b python entrypoint.py plan --card h100-80gb [--json]   # the memory plan only
 
-Validation runs here, before torch is imported, so a typo exits 2 within a second.  The training
+Validation runs here, before torch is imported, so a typo exits 2 within a second; a one-process job never
+imports it here (the GPUs come from the NVIDIA driver, trainer/core/devices.py, and the training process adds
+accelerate's launch variables itself), which saves ~2 s of every start.  The training
 process is a child so that this process (PID 1 in a container) can forward SIGTERM/SIGINT to it and
 return its exact exit code; it receives the configuration built here (trainer/core/config.py), not the
 environment to parse again (see trainer/launch/launcher.py and the README's exit codes).  This process also holds
@@ -37,7 +39,7 @@ def main() -> int:
         permissions.check_writable(validated.output_dir)  # in a second, before any model or data is loaded
         # Exit 7 while another job runs on this volume, before anything is written to it; released however the job ends.
         with lease.held(validated, stopping=lambda: bool(stops.received), on_lost=stops.end_now):
-            job = config.build(validated)  # imports torch for the device: only once the settings are valid
+            job = config.build(validated)  # the GPUs, as the driver shows them (no torch here: trainer/core/devices.py)
             return launch.run_under_accelerate(job, stops)
     except errors.FulltuneError as error:
         return ending.exit_code_for(error)

@@ -69,6 +69,13 @@ fi
 check_wheels  # after the install: what the image lacks comes from the wheels, at the pinned versions
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$python" -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
+# entrypoint.py takes the GPUs from the NVIDIA driver, without torch (trainer/core/devices.py): it must say what torch says.
+"$python" -c "
+import sys, torch
+from trainer.core import devices
+probe, torch_says = devices.visible(), (torch.cuda.device_count(), torch.cuda.get_device_capability(0)[0] >= 8)
+print('gpu_check: driver probe', probe, 'torch', torch_says)
+sys.exit(0 if (probe.count, probe.bf16) == torch_says else 'gpu_check: the driver probe disagrees with torch')"
 "$python" -c "import mlflow" 2>/dev/null && NO_MLFLOW="" || NO_MLFLOW="--no-mlflow"
 "$python" bench/run.py --gpu --dry-run --work "$work"
 status=0

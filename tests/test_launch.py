@@ -8,9 +8,12 @@ import sys
 
 import pytest
 
+from conftest import ROOT
 from trainer.launch import launcher as launch
 
-PROBE = "import os, torch; print(repr(os.environ.get('OMP_NUM_THREADS')), torch.get_num_threads())"
+# As the training process starts (trainer/job.py): torch imported, then accelerate's launch variables added.
+PROBE = ("import os, torch; from trainer.launch import launcher; os.environ.update(launcher.accelerate_environment(use_cpu=True)); "
+         "print(repr(os.environ.get('OMP_NUM_THREADS')), torch.get_num_threads())")
 
 
 def _training_process_sees(monkeypatch, omp_num_threads: str | None) -> subprocess.CompletedProcess:
@@ -19,9 +22,9 @@ def _training_process_sees(monkeypatch, omp_num_threads: str | None) -> subproce
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", omp_num_threads)
-    cmd, env = launch.accelerate_command(use_cpu=True)
+    cmd, env = launch.single_process_command()
     assert cmd[1:] == ["-m", "trainer"], cmd
-    return subprocess.run([cmd[0], "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([cmd[0], "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_without_omp_num_threads_the_training_process_keeps_torchs_default_thread_count(monkeypatch):
@@ -126,3 +129,12 @@ def test_a_step_down_of_several_processes_restarts_them_on_one_node_once_per_pla
         line = next(line for line in err.splitlines() if line.startswith("fulltune: exit 75: "))
         assert "out of GPU memory on one of the 4 processes with 4 sequences x 1 passes per process, recomputation off (measured peak 81.0 GB" in line, line
         assert "2 sequences x 2 passes per process, recomputation off, is recorded in" in line and "orchestrator's retry" in line, line
+
+
+@pytest.mark.parametrize("use_cpu", [True, False])
+def test_the_training_process_gets_the_variables_accelerate_launch_sets_on_cpu_and_on_a_gpu(monkeypatch, use_cpu):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    added = launch.accelerate_environment(use_cpu=use_cpu)
+    assert added["ACCELERATE_USE_CPU"] == str(use_cpu)
+    assert (added["ACCELERATE_MIXED_PRECISION"], added["ACCELERATE_DYNAMO_BACKEND"]) == ("no", "NO")  # precision is the job's own (FT_PRECISION)
+    assert "OMP_NUM_THREADS" not in added  # never "None" (see above)

@@ -116,11 +116,13 @@ def test_entrypoint_and_the_contract_import_no_torch():
 
 
 @pytest.mark.slow
-def test_settings_are_parsed_once_and_the_training_process_keeps_the_parents_values(tmp_path):
+def test_settings_are_parsed_once_by_a_launcher_without_torch_and_the_training_process_keeps_the_parents_values(tmp_path):
     out, parses = tmp_path / "volume", tmp_path / "parses"
     env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="6", FT_EVAL_STEPS="3", FT_SAVE_STEPS="6", FT_LOGGING_STEPS="3")
-    result = run_job(with_faults(env, count_parses=parses, child_env="FT_MAX_STEPS=3"))  # the child's environment says 3
+    launcher_modules = tmp_path / "launcher-modules.json"
+    result = run_job(with_faults(env, count_parses=parses, child_env="FT_MAX_STEPS=3", record_launcher_modules=launcher_modules))  # the child's says 3
     assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(launcher_modules.read_text()) == []  # entrypoint.py probed the device and launched without torch (trainer/core/devices.py)
     assert len(parses.read_text().splitlines()) == 1  # entrypoint.py's parse; the training process parsed nothing
     assert "step=6/6" in result.stdout and "step=3/3" not in result.stdout
     status = json.loads((out / ".fulltune" / "status.json").read_text())

@@ -14,7 +14,7 @@ from typing import Any
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import diskfull, divergence, preemption
 from trainer.core import config as job_config
-from trainer.core import locations, ranks
+from trainer.core import devices, locations, ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
@@ -24,6 +24,7 @@ from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
 from trainer.data import data_report, demo
 from trainer.data import prepare as data
+from trainer.launch import launcher
 from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
 from trainer.tracking import overview, packaging, progress, quiet, report, samples, summary
@@ -254,6 +255,9 @@ def main() -> int:
     config = tracker = None
     try:
         config = job_config.handed_over()
+        if ranks.world_size() == 1:  # torchrun's ranks got accelerate's environment from the launcher
+            os.environ.update(launcher.accelerate_environment(use_cpu=not config.cuda))
+        devices.check_torch_agrees(config.cuda)
         tracker = Tracker(config)
         with diskfull.reported(config.settings.output_dir, lambda: diskfull.elsewhere(Volume(config.settings.output_dir))):
             run(config, tracker)

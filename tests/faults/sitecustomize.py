@@ -19,6 +19,7 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        follows, the run report and closing the MLflow run, taking long)
   FAULT_COUNT_PARSES=<file>            append a line to <file> each time the FT_* settings are parsed
   FAULT_CHILD_ENV=FT_MAX_STEPS=3       the training process starts with this variable changed
+  FAULT_RECORD_LAUNCHER_MODULES=<file> entrypoint.py writes to <file>, as it exits, the heavy libraries it imported (JSON)
   FAULT_OOM_ABOVE_SEQUENCES=2          a training forward pass of more than 2 sequences (padding-free: position ids restarting
                                        at 0) raises torch.OutOfMemoryError, as CUDA would for a plan too large for the card
   FAULT_OOM_AFTER_PASSES=2             ... only after that many training passes have run in the process (a later, longer batch)
@@ -32,7 +33,9 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        one): its gradients are NaN, the other ranks' are finite until they are averaged
 """
 
+import atexit
 import importlib.abc
+import json
 import os
 import signal
 import sys
@@ -292,3 +295,11 @@ if TRAINING_PROCESS and os.environ.get("FAULT_HOLD_START"):
     with open(os.environ["FAULT_HOLD_START"], "w") as f:
         f.write(f"{os.getpid()}\n")
     time.sleep(600)
+
+if not TRAINING_PROCESS and os.environ.get("FAULT_RECORD_LAUNCHER_MODULES"):
+    def _record_launcher_modules(path=os.environ["FAULT_RECORD_LAUNCHER_MODULES"]):
+        heavy = ("torch", "transformers", "mlflow", "trl", "datasets", "accelerate", "matplotlib")
+        with open(path, "w") as f:
+            json.dump(sorted(set(heavy) & set(sys.modules)), f)
+
+    atexit.register(_record_launcher_modules)

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.core import ending, locations, ranks
+from trainer.core import devices, ending, locations, ranks
 from trainer.core import settings as settings_table
 from trainer.core.errors import ConfigError
 from trainer.core.files import read_json, write_json
@@ -136,11 +136,8 @@ def build(settings: Settings, cuda: bool | None = None, bf16_supported: bool | N
     """Derive the job's configuration from validated settings; the device is probed unless given (tests)."""
     gpus = 0
     if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
-        bf16_supported = cuda and torch.cuda.is_bf16_supported()
-        gpus = torch.cuda.device_count() if cuda else 0
+        visible = devices.visible()  # the driver's answer: no torch import in entrypoint.py (trainer/core/devices.py)
+        cuda, bf16_supported, gpus = visible.cuda, visible.bf16, visible.count
     ending.set_termination_message_path(settings.termination_message_path)
     check_device_levers(settings, cuda)
     processes = settings.num_processes or max(gpus, 1)

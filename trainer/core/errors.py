@@ -87,6 +87,13 @@ class TrackingUnreachable(FulltuneError):
     show_traceback = False
 
 
+class GpuUnusable(FulltuneError):
+    """torch cannot use the GPU the NVIDIA driver shows (trainer/core/devices.py): the image or the node is at fault."""
+
+    exit_code = 1
+    show_traceback = False
+
+
 class RegistrationFailed(FulltuneError):
     """Training finished and the model is on the volume; only the MLflow registration failed, or the tracking server
     did not answer at the end (what it did not receive is on the volume for the next attempt)."""

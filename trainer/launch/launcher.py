@@ -2,8 +2,11 @@
 
 accelerate's own `simple_launcher` turns every non-zero exit into 1 (or a CalledProcessError) and
 does not forward signals, which would break the exit-code contract (75 = resume, 2 = do not retry)
-and the save-on-SIGTERM path.  So we let accelerate build the command and environment
-(`prepare_simple_launcher_cmd_env`) and run the process ourselves.
+and the save-on-SIGTERM path.  So we run the process ourselves, with the environment accelerate's launcher
+would give it: for one process the training process adds it to its own environment (`accelerate_environment`,
+from accelerate's `prepare_simple_launcher_cmd_env`), because importing accelerate here imports torch, about
+2 s of every start in a process that trains nothing; for several, torchrun's command is built here from
+accelerate's `prepare_multi_gpu_env` (torchrun imports torch anyway).
 """
 
 from __future__ import annotations
@@ -62,16 +65,25 @@ class StopForwarder:
                 self.child.kill()
 
 
-def accelerate_command(use_cpu: bool) -> tuple[list[str], dict[str, str]]:
-    """The command and environment `accelerate launch` would use for one process running `-m trainer`."""
+def single_process_command() -> tuple[list[str], dict[str, str]]:
+    """The command and environment of one training process: `-m trainer` with this process's environment (the
+    training process adds accelerate's launch variables itself: `accelerate_environment`)."""
+    return [sys.executable, "-m", "trainer"], dict(os.environ)
+
+
+def accelerate_environment(use_cpu: bool) -> dict[str, str]:
+    """The variables `accelerate launch` sets for one process running `-m trainer` (ACCELERATE_USE_CPU, the mixed
+    precision and dynamo choices, ...), minus what this process's environment already holds.  Called by the training
+    process before accelerate's state is created, which reads them."""
     from accelerate.commands.launch import launch_command_parser, prepare_simple_launcher_cmd_env
 
     argv = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     argv += ["--cpu"] if use_cpu else []
     args = launch_command_parser().parse_args([*argv, "-m", "trainer"])
-    cmd, env = prepare_simple_launcher_cmd_env(args)
+    args.use_cpu = use_cpu  # `accelerate launch` sets it from its config file; read unset without --cpu (accelerate 1.15)
+    _, env = prepare_simple_launcher_cmd_env(args)
     _keep_thread_count(env)
-    return cmd, env
+    return {name: value for name, value in env.items() if os.environ.get(name) != value}
 
 
 def _keep_thread_count(env: dict[str, str]) -> None:
@@ -118,7 +130,7 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     Several processes on one node: when they ended because one ran out of GPU memory and recorded the next plan
     down (trainer/model/stepdown.py), they are started again here at that plan, once per plan down."""
     several = config.world_size > 1
-    cmd, env = torchrun_command(config) if several else accelerate_command(use_cpu=not config.cuda)
+    cmd, env = torchrun_command(config) if several else single_process_command()
     root = str(Path(__file__).resolve().parents[2])  # the folder holding trainer/: `-m trainer` resolves from any working directory
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env[VARIABLE] = config.to_json()  # the child runs with what was validated here, not with its own reading of FT_*
