@@ -93,7 +93,10 @@ def chart_png(title: str, points: dict[str, list], plan_gb: float | None = None)
     """One chart as PNG bytes: each metric's points in step order, joined by a line."""
     from matplotlib.figure import Figure  # not pyplot: no global figure state, no GUI backend (Agg draws the PNG)
 
-    figure = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+    figure = Figure(figsize=(6.4, 3.6), dpi=100)
+    # Fixed margins, room for six-character tick labels: a layout engine ("constrained") doubles the cost of a chart
+    # (0.27 s against 0.14 s here), and the page draws five at every evaluation while training waits.
+    figure.subplots_adjust(left=0.12, right=0.98, bottom=0.14, top=0.91)
     axes = figure.add_subplot()
     for key, pairs in points.items():
         ordered = sorted(pairs, key=lambda pair: pair[0])  # stable: a step redone after a resume keeps its order
