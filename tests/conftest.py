@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (same eval loss).  Set before anything imports torch, so this process and every job it starts keep it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Where a test runs a job on more threads (test_learning's 2), its idle threads sleep instead of spinning: beside the other
-# worker's job, a 40-step, two-thread demo job took 61 CPU-s passive against 101 CPU-s spinning (88 s against 68 s wall).
+# worker's job, a 40-step, two-thread demo job took 61 CPU-s passive against 101 CPU-s spinning (68 s against 88 s wall).
 # The wait policy changes when threads wait, not what they compute.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # torch.compile's Inductor compiles in-process instead of starting a pool of worker processes (each importing torch):
