@@ -51,13 +51,13 @@ def table_after(page: str, heading: str) -> list[list[str]]:
     return [[html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S)] for row in rows]
 
 
-BLUE, ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's first two line colours: a chart's first and second metric
+BLUE, ORANGE = (31, 119, 180), (255, 127, 14)  # tab10's first two line colours (as matplotlib draws them): a chart's first and second metric
 
 
 def plotted(png: bytes, colour: tuple[int, int, int], points: list[list[float]], steps: tuple[float, float], values: tuple[float, float]) -> list:
     """How far (pixels) from where each (step, value) point belongs the nearest pixel of `colour` in its column is (None:
     nothing of that colour there).  Where it belongs: steps left to right and values bottom to top inside the axes' black
-    frame, spanning the given ranges plus matplotlib's 5 % margins (its default `axes.xmargin`/`ymargin`)."""
+    frame, spanning the given ranges plus 5 % margins (matplotlib's default `axes.xmargin`/`ymargin`, which the charts keep)."""
     image = Image.open(io.BytesIO(png)).convert("RGB")
     width, height = image.size
     px = image.load()

@@ -14,7 +14,7 @@ The report knows nothing of the job's other parts: job.py passes it the facts (`
 The charts plot the run's metric history as MLflow holds it, read back from the run, so the page shows
 what MLflow shows; the same points are in the page as JSON (`<script id="chart-data" type="application/json">`,
 {chart: {metric: [[step, value], ...]}}).  They are PNG images inside the page (base64), drawn with
-matplotlib (installed with MLflow): the page needs no network and no other file, so it can be mailed,
+Pillow (trainer/tracking/chart.py): the page needs no network and no other file, so it can be mailed,
 attached or opened from an object store as it is.  Only rank 0 writes it; a failure to write it is
 printed and training goes on.
 """
