@@ -40,6 +40,7 @@ def main() -> int:
         # Exit 7 while another job runs on this volume, before anything is written to it; released however the job ends.
         with lease.held(validated, stopping=lambda: bool(stops.received), on_lost=stops.end_now):
             job = config.build(validated)  # the GPUs, as the driver shows them (no torch here: trainer/core/devices.py)
+            config.check_volume(job)  # a restart with other settings than the volume's: exit 2 before any process starts
             return launch.run_under_accelerate(job, stops)
     except errors.FulltuneError as error:
         return ending.exit_code_for(error)

@@ -147,6 +147,7 @@ def test_restart_with_a_changed_learning_rate_exits_2_naming_it(uninterrupted):
     assert "FT_LEARNING_RATE" in result.stderr and "'0.001' on the volume, '0.003' now" in result.stderr
     assert "Traceback" not in result.stderr
     assert "FT_ALLOW_CONFIG_CHANGE" in termination_message(env)
+    assert "fulltune: summary" not in result.stdout  # refused by entrypoint.py: no training process started (it prints that line)
 
 
 def test_restart_after_success_exits_0_without_training_or_a_new_run(uninterrupted):
@@ -168,6 +169,7 @@ def test_rerun_of_a_finished_job_with_other_settings_exits_2_naming_each_differe
     assert "FT_MAX_STEPS: '40' on the volume, '20' now" in result.stderr and "FT_LEARNING_RATE: '0.001' on the volume, '0.003' now" in result.stderr
     assert f"FT_MODEL={uninterrupted / 'final' / 'model'}" in result.stderr and "new FT_OUTPUT_DIR" in result.stderr
     assert "Traceback" not in result.stderr and "nothing to do" not in result.stdout
+    assert "fulltune: summary" not in result.stdout  # refused before a training process started
     assert [r.info.run_id for r in mlflow_runs(uninterrupted)] == before
 
     # The way on it names: the finished model is the base model of a new job on a new volume.

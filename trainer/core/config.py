@@ -177,17 +177,33 @@ def check_fingerprint(config: Config) -> None:
     settings = config.settings
     path = Volume(settings.output_dir).fingerprint_file
     if read_json(path) is not None:
-        differences = fingerprint_differences(config)
-        if differences and not settings.allow_config_change:
-            raise ConfigError(
-                f"the checkpoints in {settings.output_dir} belong to a different configuration ("
-                + "; ".join(differences)
-                + "). Use a new FT_OUTPUT_DIR, restore the settings, or set FT_ALLOW_CONFIG_CHANGE=true to resume anyway."
-            )
-        if differences:
+        _refuse_other_configuration(config)
+        if differences := fingerprint_differences(config):
             print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
     if ranks.is_main():
         write_json(path, config.fingerprint())
+
+
+def check_volume(config: Config) -> None:
+    """Exit 2 when the volume's checkpoints or finished model were made with other settings; reads, writes nothing.
+
+    entrypoint.py asks this before it starts a training process, so a refused restart takes a second instead of
+    the imports, the tokenizer and the data check (minutes on a large dataset) of every process; the training
+    process checks again where it records the fingerprint (check_fingerprint, check_finished_job)."""
+    if (status := Volume(config.settings.output_dir).status()).final_model or status.registered:
+        check_finished_job(config)
+    else:
+        _refuse_other_configuration(config)
+
+
+def _refuse_other_configuration(config: Config) -> None:
+    settings = config.settings
+    if (differences := fingerprint_differences(config)) and not settings.allow_config_change:
+        raise ConfigError(
+            f"the checkpoints in {settings.output_dir} belong to a different configuration ("
+            + "; ".join(differences)
+            + "). Use a new FT_OUTPUT_DIR, restore the settings, or set FT_ALLOW_CONFIG_CHANGE=true to resume anyway."
+        )
 
 
 def fingerprint_differences(config: Config) -> list[str]:
