@@ -1,7 +1,7 @@
 """Where the job's run is kept: the configured MLflow server, or the embedded SQLite store on the volume.
 
     uri = store.check_scheme()            # seconds (MLflow's import): exit 2 for a URI this MLflow cannot use
-    experiment_id = store.connect(settings)   # the slow part on a fresh volume: the store's tables are created
+    experiment_id = store.connect(settings)   # a fresh volume: its store copied from a template made once (_from_template)
 
 With no MLFLOW_TRACKING_URI, tracking and the registry live in a SQLite file on the output volume, so a job
 needs no server and a restart finds its run again.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sqlite3
 
 from trainer.core import settings as settings_table
 from trainer.core.errors import ConfigError
@@ -64,6 +66,8 @@ def connect(settings: settings_table.Settings) -> str:
     uri = tracking_uri(settings)
     if uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(uri[len("sqlite:///") :]) or ".", exist_ok=True)
+        if embedded():
+            _from_template(uri[len("sqlite:///") :], mlflow.__version__)
     client = mlflow.MlflowClient(uri)
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "fulltune")
     try:
@@ -74,6 +78,42 @@ def connect(settings: settings_table.Settings) -> str:
         return experiment.experiment_id
     local = f"file://{os.path.join(os.path.abspath(Volume(settings.output_dir).mlflow_store), 'artifacts')}" if embedded() else None
     return client.create_experiment(name, artifact_location=local)
+
+
+def _from_template(db: str, version: str) -> None:
+    """A fresh volume's store starts as a copy of an empty store that this MLflow version made once on this machine.
+
+    MLflow makes a new SQLite store by running each of its schema migrations, ~1.5 CPU-s and ~150 fsyncs (5 s on
+    a busy disk) at every fresh volume, which the demo and every test's job would pay; the copy takes milliseconds.
+    The template lives in $XDG_CACHE_HOME/fulltune (the image: /tmp/.cache), is written whole or not at all, and
+    is named by the MLflow version, whose migrations it holds.  Where any of this fails, MLflow makes the store."""
+    if os.path.exists(db):
+        return
+    template = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fulltune", f"mlflow-{version}.db")
+    try:
+        if not os.path.exists(template):
+            os.makedirs(os.path.dirname(template), exist_ok=True)
+            _made_whole(template, lambda partial: _migrated(f"sqlite:///{partial}"))
+        _made_whole(db, lambda partial: shutil.copyfile(template, partial))
+    except (OSError, sqlite3.Error) as why:
+        logging.getLogger(__name__).debug("no store template (%s): MLflow creates the store", why)
+
+
+def _migrated(uri: str) -> None:
+    import mlflow
+
+    mlflow.MlflowClient(uri).search_experiments()  # builds the store: its tables, each migration, the Default experiment
+
+
+def _made_whole(path: str, make) -> None:
+    """`make(partial)` writes a file next to `path`, which then replaces `path` in one step (no half-made store)."""
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        make(partial)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def _unsupported_store() -> ConfigError:
