@@ -28,6 +28,7 @@ class StopOnSignal(TrainerCallback):
         self.deadline_seconds = deadline_seconds
         self.requested_at: float | None = None
         self.deadline: threading.Timer | None = None
+        self.stop_step: int | None = None  # the step whose save is the stop's checkpoint (seen at its step end)
         self.committed = False  # the stop's checkpoint counts: what is left (the run report, MLflow) may be cut short
         self.any_rank = ranks.AnyRank()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -62,8 +63,9 @@ class StopOnSignal(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         """After CommitCheckpoints (an earlier callback): once the stop's checkpoint counts, the deadline no longer
-        applies (writing the run report or closing the MLflow run never turns a committed stop into 76)."""
-        if self.requested:
+        applies (writing the run report or closing the MLflow run never turns a committed stop into 76).  Only the
+        stop's own save counts: a signal that arrives while a periodic save is under way leaves the deadline running."""
+        if self.stop_step is not None and state.global_step >= self.stop_step:
             self.committed = True
             if self.deadline is not None:
                 self.deadline.cancel()
@@ -74,6 +76,7 @@ class StopOnSignal(TrainerCallback):
         if self.any_rank.exchange(self.requested):
             if not self.requested:  # another node was told to stop: stop here too
                 self._on_stop(f"a stop signal on another rank at step {state.global_step}")
+            self.stop_step = state.global_step
             control.should_save = True
             control.should_evaluate = False
             control.should_training_stop = True
