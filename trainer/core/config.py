@@ -177,8 +177,7 @@ def check_fingerprint(config: Config) -> None:
     settings = config.settings
     path = Volume(settings.output_dir).fingerprint_file
     if read_json(path) is not None:
-        _refuse_other_configuration(config)
-        if differences := fingerprint_differences(config):
+        if differences := _refuse_other_configuration(config):
             print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
     if ranks.is_main():
         write_json(path, config.fingerprint())
@@ -196,7 +195,8 @@ def check_volume(config: Config) -> None:
         _refuse_other_configuration(config)
 
 
-def _refuse_other_configuration(config: Config) -> None:
+def _refuse_other_configuration(config: Config) -> list[str]:
+    """Exit 2 naming each setting that differs from the volume's; the differences FT_ALLOW_CONFIG_CHANGE=true allows."""
     settings = config.settings
     if (differences := fingerprint_differences(config)) and not settings.allow_config_change:
         raise ConfigError(
@@ -204,6 +204,7 @@ def _refuse_other_configuration(config: Config) -> None:
             + "; ".join(differences)
             + "). Use a new FT_OUTPUT_DIR, restore the settings, or set FT_ALLOW_CONFIG_CHANGE=true to resume anyway."
         )
+    return differences
 
 
 def fingerprint_differences(config: Config) -> list[str]:
