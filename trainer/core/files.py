@@ -5,6 +5,8 @@ sees the old contents or the new, never half of them, whatever kills the process
     append_lines(volume.eval_samples, lines)   # the same, with the old lines first
     with staged(volume.final) as partial:      # a folder built aside, then renamed into place
         ...
+    with made_whole(db) as partial:            # a file another program writes (a copy, SQLite), renamed into place
+        ...
 
 Every file the job writes under FT_OUTPUT_DIR goes through here, except what the libraries write themselves
 (transformers' checkpoints: their manifest, trainer/checkpointing/commits.py, says when they count).
@@ -70,3 +72,16 @@ def staged(target: str) -> Iterator[str]:
     yield partial
     shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)
+
+
+@contextlib.contextmanager
+def made_whole(path: str) -> Iterator[str]:
+    """Yield a name beside `path` for another writer (shutil, SQLite) to fill; on success it replaces `path` in one
+    step, on failure it is removed.  Named by the process, so two processes making the same file never share one."""
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)

@@ -16,6 +16,7 @@ import sqlite3
 
 from trainer.core import settings as settings_table
 from trainer.core.errors import ConfigError
+from trainer.core.files import made_whole
 from trainer.core.volume import Volume
 from trainer.tracking.server import CONFIGURED_URI, MlflowLogFilter, redact
 
@@ -93,8 +94,10 @@ def _from_template(db: str, version: str) -> None:
     try:
         if not os.path.exists(template):
             os.makedirs(os.path.dirname(template), exist_ok=True)
-            _made_whole(template, lambda partial: _migrated(f"sqlite:///{partial}"))
-        _made_whole(db, lambda partial: shutil.copyfile(template, partial))
+            with made_whole(template) as partial:
+                _migrated(f"sqlite:///{partial}")
+        with made_whole(db) as partial:
+            shutil.copyfile(template, partial)
     except (OSError, sqlite3.Error) as why:
         logging.getLogger(__name__).debug("no store template (%s): MLflow creates the store", why)
 
@@ -103,17 +106,6 @@ def _migrated(uri: str) -> None:
     import mlflow
 
     mlflow.MlflowClient(uri).search_experiments()  # builds the store: its tables, each migration, the Default experiment
-
-
-def _made_whole(path: str, make) -> None:
-    """`make(partial)` writes a file next to `path`, which then replaces `path` in one step (no half-made store)."""
-    partial = f"{path}.{os.getpid()}.partial"
-    try:
-        make(partial)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
 
 
 def _unsupported_store() -> ConfigError:
