@@ -45,7 +45,7 @@ def state(args: argparse.Namespace) -> None:
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    from trainer.checkpointing import commits, saving
+    from trainer.checkpointing import commits, manifest, saving
 
     shutil.rmtree(args.out, ignore_errors=True)
     torch.manual_seed(0)
@@ -68,7 +68,7 @@ def state(args: argparse.Namespace) -> None:
             if kind == "sync":
                 began = time.perf_counter()
                 Trainer._save_checkpoint(trainer, trainer.model, None)  # transformers' own, as the job saved before
-                commits.commit(folder, trainer.state.global_step)
+                manifest.commit(folder, trainer.state.global_step)
                 results[kind].append((time.perf_counter() - began, 0.0, folder_bytes(folder)))
             else:
                 saving.save(trainer, None, saver.saves, saver._commit)

@@ -27,7 +27,7 @@ def gb_per_second(path: str, algorithm: str, rounds: int = 3) -> float:
     """Best of `rounds` passes of the commit's own read-and-hash loop over `path`."""
     import xxhash
 
-    from trainer.checkpointing import commits as checkpoints
+    from trainer.checkpointing import manifest
 
     size = os.path.getsize(path)
     best = float("inf")
@@ -35,7 +35,7 @@ def gb_per_second(path: str, algorithm: str, rounds: int = 3) -> float:
         start = time.perf_counter()
         digest = getattr(xxhash, algorithm)()
         with open(path, "rb") as f:
-            while chunk := f.read(checkpoints.CHUNK):
+            while chunk := f.read(manifest.CHUNK):
                 digest.update(chunk)
         best = min(best, time.perf_counter() - start)
     return size / best / 1e9
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file is written (then read from the page cache)")
     args = parser.parse_args()
 
-    from trainer.checkpointing import commits as checkpoints
+    from trainer.checkpointing import manifest
 
     size = int(args.gb * 1e9)
     with tempfile.NamedTemporaryFile(dir=args.dir, prefix="fulltune-checksum-bench-") as f:
@@ -66,13 +66,13 @@ def main() -> None:
         for offset in range(0, size, len(block)):
             f.write(block[: size - offset])
         f.flush()
-        gb_per_second(f.name, checkpoints.CHECKSUM, rounds=1)  # the first pass brings the whole file into the page cache
+        gb_per_second(f.name, manifest.CHECKSUM, rounds=1)  # the first pass brings the whole file into the page cache
         speeds = {algorithm: gb_per_second(f.name, algorithm) for algorithm in ("xxh3_64", "xxh3_128")}
     for algorithm, speed in speeds.items():
         print(f"{algorithm}: {speed:.1f} GB/s from the page cache ({1 / speed:.2f} s per GB, one core, {size / 1e9:.1f} GB file)")
-    speed = speeds[checkpoints.CHECKSUM]
+    speed = speeds[manifest.CHECKSUM]
     for precision, total in qwen3_4b_checkpoint_bytes().items():
-        print(f"qwen3_4b {precision} checkpoint: {total / 1e9:.1f} GB -> {total / 1e9 / speed:.1f} s of {checkpoints.CHECKSUM} at commit (page cache)")
+        print(f"qwen3_4b {precision} checkpoint: {total / 1e9:.1f} GB -> {total / 1e9 / speed:.1f} s of {manifest.CHECKSUM} at commit (page cache)")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT, committed_steps, wait_for
-from trainer.checkpointing import commits, forked, saving
+from trainer.checkpointing import commits, forked, manifest, saving
 from trainer.core import settings
 from trainer.core.errors import ConfigError
 
@@ -49,7 +49,7 @@ def test_a_save_returns_before_its_slow_write_and_counts_only_once_committed(tin
     assert committed_steps(volume) == [] and saver.saves.in_flight
     saver.saves.wait()
     assert committed_steps(volume) == [7]
-    assert commits.damage(str(volume / "checkpoints" / "checkpoint-7")) is None
+    assert manifest.damage(str(volume / "checkpoints" / "checkpoint-7")) is None
     assert 0 < saver.costs.last < 2.5 and saver.costs.background[-1] >= 3
     folder = volume / "checkpoints" / "checkpoint-7"
     assert (folder / "training_args.json").exists() and not (folder / "training_args.bin").exists()
@@ -111,7 +111,7 @@ def test_on_cpu_a_forked_process_writes_the_snapshot_and_a_stop_signal_sent_to_i
     go.touch()
     saver.saves.wait()
     assert committed_steps(volume) == [5]
-    assert commits.damage(str(volume / "checkpoints" / "checkpoint-5")) is None
+    assert manifest.damage(str(volume / "checkpoints" / "checkpoint-5")) is None
 
 
 def test_a_writer_process_that_dies_leaves_the_checkpoint_uncommitted_and_the_error_says_how_it_died(tiny_trainer, monkeypatch):

@@ -176,8 +176,10 @@ def test_fsdp_resumes_exactly_reshards_to_three_processes_and_refuses_what_it_ca
     ddp = run_job(env | {"FT_DISTRIBUTED": "ddp"}, timeout=120)
     assert ddp.returncode == 2, ddp.stdout + ddp.stderr
     assert "checkpoint-20, was written by FSDP and this job runs ddp" in ddp.stderr and "FT_DISTRIBUTED=fsdp" in ddp.stderr
+    assert "memory plan" not in ddp.stdout  # refused by entrypoint.py (trainer/checkpointing/layout.py): no training process started
     alone = run_job(job_env(out, **TWO, FT_ALLOW_CONFIG_CHANGE="true"), timeout=120)
     assert alone.returncode == 2 and "was written by FSDP and this job runs one process" in alone.stderr, alone.stdout + alone.stderr
+    assert "memory plan" not in alone.stdout
 
     three = tmp_path / "three"
     shutil.copytree(out, three)  # the same checkpoint, resumed by 3 processes instead of 2
@@ -214,15 +216,43 @@ def test_fsdp_checkpoints_are_one_dcp_shard_per_rank_with_no_pickle_beyond_weigh
 
 @pytest.mark.faults("an FSDP checkpoint in the gathered layout of earlier versions")
 def test_an_fsdp_checkpoint_gathered_on_rank_0_by_an_earlier_version_is_refused_naming_it(tmp_path):
+    from trainer.checkpointing import layout
     from trainer.core.errors import ConfigError
-    from trainer.model import sharding
 
     old = tmp_path / "checkpoint-20"
     old.mkdir()
     (old / "pytorch_model_fsdp.bin").write_bytes(b"")  # never opened: the name alone refuses it
     with pytest.raises(ConfigError, match=r"checkpoint-20, holds FSDP's whole gathered state .* use a new FT_OUTPUT_DIR") as refused:
-        sharding.check_resumable(str(old), "fsdp")
+        layout.check_resumable(str(old), "fsdp")
     assert refused.value.exit_code == 2
+
+
+def test_the_launcher_refuses_a_checkpoint_layout_whenever_the_settings_alone_fix_how_processes_share_the_model(tmp_path):
+    """entrypoint.py's check (before any training process): one process or FT_DISTRIBUTED=ddp over an FSDP checkpoint
+    are refused there; under `auto` the memory plan picks the sharing, so the training process asks instead."""
+    from trainer.checkpointing import layout, manifest
+    from trainer.core import config, settings
+    from trainer.core.errors import ConfigError
+    from trainer.core.volume import Volume
+
+    out = tmp_path / "volume"
+    checkpoint = out / "checkpoints" / "checkpoint-20"
+    (checkpoint / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (checkpoint / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"shard")
+    manifest.commit(str(checkpoint), 20)
+
+    def job(**values: str) -> config.Config:
+        return config.build(settings.load({"FT_PRESET": "demo", "FT_OUTPUT_DIR": str(out), **values}), cuda=False)
+
+    refused = [({}, "one process"), ({"FT_NUM_PROCESSES": "2", "FT_DISTRIBUTED": "ddp"}, "ddp"), ({"FT_NUM_PROCESSES": "2", "FT_DISTRIBUTED": "none"}, "ddp")]
+    for values, now in refused:
+        with pytest.raises(ConfigError, match=f"checkpoint-20, was written by FSDP and this job runs {now}"):
+            layout.check_volume(job(**values))
+    layout.check_volume(job(FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp"))  # the layout it was written in
+    layout.check_volume(job(FT_NUM_PROCESSES="2"))  # auto: left to the plan, in the training process
+    (out / ".fulltune").mkdir()
+    Volume(str(out)).mark_saved({})
+    layout.check_volume(job())  # a finished job resumes nothing: its re-run is answered by the training process
 
 
 @pytest.mark.faults("a damaged shard of one FSDP rank")
@@ -319,7 +349,7 @@ def test_sigterm_to_one_node_stops_both_at_the_same_step_and_the_restart_ends_as
     assert "world_size: '2' on the volume, '1' now" in alone.stderr and "FT_ALLOW_CONFIG_CHANGE" in alone.stderr
     sharded = run_job(job_env(out, **TWO, **SHORT, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port())), timeout=300)
     assert sharded.returncode == 2, sharded.stdout + sharded.stderr  # DDP's checkpoint, in torch's layout
-    assert "was written by one process or DDP and this job runs fsdp" in sharded.stderr
+    assert "was written by one process or DDP and this job runs fsdp" in sharded.stderr and "memory plan" not in sharded.stdout
 
     restarted = start_nodes(envs, tmp_path, "restarted")
     assert [node.wait(timeout=600) for node in restarted] == [0, 0]

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import committed_steps, job_env, max_weight_difference, run_job, termination_message, with_faults
 from trainer.checkpointing import commits as checkpoints
+from trainer.checkpointing import manifest
 from trainer.core import files
 
 STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="8", FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_TOTAL_LIMIT="2", FT_SYSTEM_METRICS="false")
@@ -75,11 +76,11 @@ def test_a_full_volume_during_a_checkpoint_exits_6_keeping_the_last_one_and_afte
 
     line = only_one_line_of_exit_6(result, env, volume)
     last = volume / "checkpoints" / "checkpoint-2"
-    needed = checkpoints.committed_bytes(str(last))
+    needed = manifest.committed_bytes(str(last))
     assert needed > LEFT_FOR_THE_CHECKPOINT  # the test's premise: the next checkpoint cannot fit
     assert f"the checkpoint at step 4 needs about {needed:,} bytes" in line  # as much as the last committed one
     assert f"Kept: every committed checkpoint, the newest {last}" in line
-    assert committed_steps(volume) == [2] and checkpoints.damage(str(last)) is None  # intact, every checksum matches
+    assert committed_steps(volume) == [2] and manifest.damage(str(last)) is None  # intact, every checksum matches
     (aside,) = (volume / "incomplete").iterdir()
     assert re.fullmatch(r"checkpoint-4\.volume-full\.\d+", aside.name) and f"the partial checkpoint-4 is set aside in {aside}" in line
     assert (aside / "model.safetensors").exists() and not (aside / "commit.json").exists()  # kept, never committed
@@ -108,7 +109,7 @@ def test_a_full_volume_during_the_final_save_exits_6_and_after_making_room_saves
         and abs(int(re.search(r"about ([\d,]+)", line)[1].replace(",", "")) - weights) < 0.01 * weights
     )
     assert f"Kept: every committed checkpoint, the newest {last} (a retry resumes there and saves the final model again)" in line
-    assert committed_steps(volume)[-1] == 8 and checkpoints.damage(str(last)) is None
+    assert committed_steps(volume)[-1] == 8 and manifest.damage(str(last)) is None
     nothing_registered_or_saved(volume)
 
     filler.unlink()
@@ -150,7 +151,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_naming_the_file_and_the_job_re
     newest = volume / "checkpoints" / "checkpoint-6"
     size = os.path.getsize(newest / damaged)
     damage(newest / damaged)
-    assert checkpoints.is_committed(str(newest)) == (damaged == "model.safetensors")  # a flipped byte keeps the size
+    assert manifest.is_committed(str(newest)) == (damaged == "model.safetensors")  # a flipped byte keeps the size
 
     retry = run_job(env)
     assert retry.returncode == 0, retry.stdout + retry.stderr
@@ -168,7 +169,7 @@ def test_a_manifest_without_checksums_does_not_count_and_the_checkpoint_is_set_a
     (folder / "model.safetensors").write_bytes(b"weights")
     (folder / "commit.json").write_text(json.dumps({"step": 3, "files": {"model.safetensors": 7}, "committed_at": 0}))
 
-    assert not checkpoints.is_committed(str(folder))
+    assert not manifest.is_committed(str(folder))
     assert checkpoints.latest_for_resume(str(tmp_path / "checkpoints"), str(tmp_path / "incomplete")) is None
     assert "checkpoint at step 3 was never committed (save cut short)" in capsys.readouterr().out
     assert [p.name.split(".")[0] for p in (tmp_path / "incomplete").iterdir()] == ["checkpoint-3"]

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
-from trainer.checkpointing import diskfull, divergence, preemption
+from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption
 from trainer.core import config as job_config
 from trainer.core import devices, locations, ranks
 from trainer.core import settings as settings_table
@@ -61,7 +61,7 @@ def run(config: Config, tracker: Tracker) -> None:
     locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     plan = stepdown.resumed(config, memory.preflight(config))  # from config.json alone: exit 2 before weights or data are downloaded
-    sharding.check_resumable(checkpoints.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
+    layout.check_resumable(manifest.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     job_config.check_fingerprint(config)
@@ -97,7 +97,7 @@ def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared) ->
 
 
 def _committed(volume: Volume) -> list[str]:
-    return [os.path.basename(path) for _, path in checkpoints.committed(volume.checkpoints)]
+    return [os.path.basename(path) for _, path in manifest.committed(volume.checkpoints)]
 
 
 def _debug(settings: Any, stage: str) -> None:

@@ -17,7 +17,7 @@ import contextlib
 import errno
 from collections.abc import Callable, Iterator
 
-from trainer.checkpointing import commits
+from trainer.checkpointing import commits, manifest
 from trainer.core import ranks
 from trainer.core.errors import FulltuneError, VolumeFull
 from trainer.core.volume import Volume, free_bytes
@@ -79,21 +79,21 @@ Situation = tuple[str, int | None, str]  # what was being saved, about how many 
 def while_training(volume: Volume, step: int, estimate: int) -> Situation:
     """Set the checkpoint cut short aside; it needs about as much as the last committed one (else `estimate` bytes)."""
     moved = commits.set_aside_uncommitted(volume.checkpoints, volume.incomplete, "volume-full") if ranks.is_main() else []
-    last = commits.last_committed(volume.checkpoints)
+    last = manifest.last_committed(volume.checkpoints)
     saving = f"the checkpoint at step {moved[-1][0]}" if moved else f"the next checkpoint (step {step})"
     kept = f"every committed checkpoint, the newest {last}" if last else "nothing yet (no checkpoint was committed: a retry starts from step 0)"
     partial = "".join(f"; the partial checkpoint-{moved_step} is set aside in {where}" for moved_step, where in moved)
-    return saving, commits.committed_bytes(last) or estimate, kept + partial
+    return saving, manifest.committed_bytes(last) or estimate, kept + partial
 
 
 def while_saving_final(volume: Volume, needed: int) -> Situation:
-    last = commits.last_committed(volume.checkpoints)
+    last = manifest.last_committed(volume.checkpoints)
     kept = f"every committed checkpoint, the newest {last} (a retry resumes there and saves the final model again)" if last else "no committed checkpoint"
     return "the final model", needed, f"{kept}; the partial final model {volume.final}.partial is removed by the retry"
 
 
 def elsewhere(volume: Volume) -> Situation:
     """Any other write (the data cache, the job's state, the embedded MLflow store)."""
-    last = commits.last_committed(volume.checkpoints)
+    last = manifest.last_committed(volume.checkpoints)
     kept = f"every committed checkpoint, the newest {last}" if last else "every file already written (no checkpoint was committed yet)"
-    return "a checkpoint of this job", commits.committed_bytes(last), kept
+    return "a checkpoint of this job", manifest.committed_bytes(last), kept

@@ -18,7 +18,7 @@ import os
 
 from transformers import TrainerCallback
 
-from trainer.checkpointing import commits
+from trainer.checkpointing import commits, manifest
 from trainer.core import ranks
 from trainer.core.errors import Diverged
 from trainer.core.volume import Volume
@@ -26,7 +26,7 @@ from trainer.core.volume import Volume
 
 def diverged(step: int, why: str, checkpoint_dir: str) -> Diverged:
     """Exit 5, naming the step, the last good checkpoint and what to change (the same settings diverge again)."""
-    last = commits.last_committed(checkpoint_dir)
+    last = manifest.last_committed(checkpoint_dir)
     good = f"the last good checkpoint is {last}" if last else "no checkpoint was committed before it"
     return Diverged(
         f"training diverged at step {step}: {why}; {good}. Nothing was registered and no final model was saved. "

@@ -5,7 +5,7 @@ state).  On a GPU the snapshot is a copy into host memory by torch's checkpoint 
 (`torch.distributed.checkpoint.staging.DefaultStager`, the one `dcp.async_save` uses; pinned buffers kept from one
 save to the next).  On CPU it is a fork (checkpointing/forked.py): the child writes the state frozen in its
 address space, copy-on-write, with no copy up front.  A background thread then writes the snapshot (or waits for
-the child), flushes and checksums every file and writes `commit.json` last (checkpointing/commits.py).  At most
+the child), flushes and checksums every file and writes `commit.json` last (checkpointing/manifest.py).  At most
 one save is in flight: the next one first waits for it, and that wait is counted as time blocked.  A crash or
 SIGKILL in the background leaves a folder without a manifest, which the next start sets aside as it always did.
 

@@ -132,6 +132,14 @@ class Config:
         return cls(Settings(**data["settings"]), data["cuda"], PRECISIONS[data["precision"]], data["processes_per_node"])
 
 
+def strategies(distributed: str, processes: int) -> list[str]:
+    """The ways `processes` may share the model under FT_DISTRIBUTED, cheapest first: one process shares nothing,
+    `auto` leaves ddp or fsdp to the memory plan (trainer/model/memory.py)."""
+    if processes == 1:
+        return ["none"]
+    return {"auto": ["ddp", "fsdp"], "none": ["ddp"], "ddp": ["ddp"], "fsdp": ["fsdp"]}[distributed]
+
+
 def build(settings: Settings, cuda: bool | None = None, bf16_supported: bool | None = None) -> Config:
     """Derive the job's configuration from validated settings; the device is probed unless given (tests)."""
     gpus = 0

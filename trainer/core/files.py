@@ -9,7 +9,7 @@ sees the old contents or the new, never half of them, whatever kills the process
         ...
 
 Every file the job writes under FT_OUTPUT_DIR goes through here, except what the libraries write themselves
-(transformers' checkpoints: their manifest, trainer/checkpointing/commits.py, says when they count).
+(transformers' checkpoints: their manifest, trainer/checkpointing/manifest.py, says when they count).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The output volume (`FT_OUTPUT_DIR`): every path fulltune writes there, the job's status, and the room left.
 
     volume = Volume(settings.output_dir)
-    volume.checkpoints                      # checkpoints/checkpoint-N/ (what counts as committed: commits.py)
+    volume.checkpoints                      # checkpoints/checkpoint-N/ (what counts as committed: checkpointing/manifest.py)
     volume.status().done(registering=True)  # what earlier attempts of this job finished
     free_bytes(volume.checkpoints)          # room left on the volume, asked of the nearest folder that exists
 

@@ -25,7 +25,7 @@ import dataclasses
 import os
 from typing import Any
 
-from trainer.core.config import Config, Precision
+from trainer.core.config import Config, Precision, strategies
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
 from trainer.core.volume import Volume, free_bytes
@@ -93,11 +93,8 @@ def plan(config: Any, n_params: int, settings: Settings, precision: Precision, c
 
     `checkpointing` is FT_ACTIVATION_CHECKPOINTING; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
     """
-    if processes == 1:
-        strategies = ["none"]
-    else:
-        strategies = {"auto": ["ddp", "fsdp"], "none": ["ddp"], "ddp": ["ddp"], "fsdp": ["fsdp"]}[settings.distributed]
-    chosen = [_plan(config, n_params, settings, precision, capacity, checkpointing, strategy, processes) for strategy in strategies]
+    ways = strategies(settings.distributed, processes)
+    chosen = [_plan(config, n_params, settings, precision, capacity, checkpointing, strategy, processes) for strategy in ways]
     return next((c for c in chosen if c.fits), chosen[-1])
 
 

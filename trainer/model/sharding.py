@@ -12,23 +12,19 @@ FSDP, we finish that decision the way accelerate does it for a GPU group: the sa
 Only a CPU process group under FSDP goes through this (`trainer_class`): every GPU job, and every job without
 FSDP, is TRL's own SFTTrainer on accelerate's own path.  Checked against accelerate 1.15.0; remove this module's
 completion once `AcceleratorState` honours an FSDP plugin on `MULTI_CPU` (tests/test_scale_out.py's FSDP cases
-then pass with plain `SFTTrainer`).  The layout a checkpoint was saved in (FSDP or not) is checked here too.
+then pass with plain `SFTTrainer`).  The layout a checkpoint was saved in (FSDP or not) is checked in
+trainer/checkpointing/layout.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Any
 
 from transformers import TrainerCallback
 
 from trainer.core import ranks
-from trainer.core.errors import ConfigError
-
-FSDP_MODEL = "pytorch_model_fsdp_0"  # accelerate's DCP folder of an FSDP checkpoint's weights (SHARDED_STATE_DICT)
-FSDP_WHOLE = "pytorch_model_fsdp.bin"  # what FULL_STATE_DICT wrote, gathered on rank 0, before checkpoints were sharded
 
 
 def honour_fsdp_on_cpu(trainer: Any) -> None:
@@ -98,32 +94,6 @@ def _cpu_fsdp_trainer() -> type:
             honour_fsdp_on_cpu(self)
 
     return ShardedSFTTrainer
-
-
-def check_resumable(checkpoint: str | None, strategy: str) -> None:
-    """Refuse (exit 2), before any weights load, to resume a checkpoint in a layout this job cannot read.
-
-    Under FSDP each rank writes its shard of the weights and AdamW states, keyed by parameter name, into torch DCP
-    folders (`pytorch_model_fsdp_0/`, `optimizer_0/`), which any number of FSDP processes load back (DCP reshards
-    at load time); one process or DDP write one safetensors file and torch's own `optimizer.pt`, keyed by position.
-    transformers 5.24 resumes each only the way it was written (a ValueError or a missing file after the model has
-    loaded).  An FSDP checkpoint from before checkpoints were sharded (`pytorch_model_fsdp.bin`) is refused too."""
-    if checkpoint is None:
-        return
-    if os.path.exists(os.path.join(checkpoint, FSDP_WHOLE)):
-        raise ConfigError(
-            f"the checkpoint to resume, {checkpoint}, holds FSDP's whole gathered state ({FSDP_WHOLE}), a layout this version "
-            "no longer reads: FSDP checkpoints are sharded by torch DCP now. Resume it with the version that wrote it, or use a new FT_OUTPUT_DIR."
-        )
-    by_fsdp = os.path.isdir(os.path.join(checkpoint, FSDP_MODEL))
-    if by_fsdp == (strategy == "fsdp"):
-        return
-    written, now = ("FSDP", strategy if strategy != "none" else "one process") if by_fsdp else ("one process or DDP", "fsdp")
-    way = "FT_DISTRIBUTED=fsdp with 2 or more processes" if by_fsdp else "FT_DISTRIBUTED=ddp (or one process)"
-    raise ConfigError(
-        f"the checkpoint to resume, {checkpoint}, was written by {written} and this job runs {now}: its weights and optimizer "
-        f"states are stored in that layout only. Resume with {way}, or use a new FT_OUTPUT_DIR."
-    )
 
 
 def held_elements(net: Any) -> tuple[int, int]:
