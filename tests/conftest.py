@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # threads spin-wait against each other: two concurrent 8-step demo jobs took 61 s each, against 20 s with one thread
 # (same eval loss).  Set before anything imports torch, so this process and every job it starts keep it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Where a test runs a job on more threads (test_learning's 2), its idle threads sleep instead of spinning: beside the other
+# Where a test runs a job on more threads (test_launch's torch defaults), its idle threads sleep instead of spinning: beside the other
 # worker's job, a 40-step, two-thread demo job took 61 CPU-s passive against 101 CPU-s spinning (68 s against 88 s wall).
 # The wait policy changes when threads wait, not what they compute.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
