@@ -59,6 +59,8 @@ def only_one_line_of_exit_6(result: subprocess.CompletedProcess, env: dict[str, 
     assert line.startswith(f"fulltune: exit 6: volume full: {volume} has ") and " bytes free " in line
     assert "Free space on the volume (or mount a bigger one), then run the job again: it resumes from the last committed checkpoint." in line
     assert termination_message(env).startswith("exit 6: volume full: ")
+    # The lease is released although its lock's few bytes no longer fit: left behind, the retry would wait out a lease period.
+    assert not {"lease.json", "lease.lock"} & {p.name for p in (volume / ".fulltune").iterdir()}
     return line
 
 

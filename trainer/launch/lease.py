@@ -202,11 +202,20 @@ class Lease:
             self._refresher.join(timeout=self.seconds + 5)
         if self.lost is not None:
             return
-        with contextlib.suppress(OSError), self._locked():
-            if _parse(self._read() or "{}").get("attempt") == self.record["attempt"]:
-                os.remove(self.path)
+        try:
+            with self._locked():
+                self._remove_if_mine()
+        except OSError:  # a full volume: the lock's few bytes do not fit, but removing a file needs no room
+            # Without the lock: nobody takes over a lease refreshed within FT_LEASE_SECONDS, and this one just was.
+            # Left in place, the next start would wait a whole lease period for a job that has ended.
+            with contextlib.suppress(OSError):
+                self._remove_if_mine()
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(self.path))  # a job that ended before writing anything leaves the volume as it was
+
+    def _remove_if_mine(self) -> None:
+        if _parse(self._read() or "{}").get("attempt") == self.record["attempt"]:
+            os.remove(self.path)
 
     def _write(self) -> None:
         self.record["refreshed_at"] = _now()
@@ -239,8 +248,13 @@ class Lease:
                     seen = None
                 time.sleep(0.05)
                 continue
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(mine)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(mine)
+            except OSError:  # created but not written (a full volume): an empty lock would hold every later start for a lease period
+                with contextlib.suppress(OSError):
+                    os.remove(self.lock)
+                raise
             break
         try:
             yield
