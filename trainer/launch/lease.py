@@ -206,8 +206,9 @@ class Lease:
             with self._locked():
                 self._remove_if_mine()
         except OSError:  # a full volume: the lock's few bytes do not fit, but removing a file needs no room
-            # Without the lock: nobody takes over a lease refreshed within FT_LEASE_SECONDS, and this one just was.
-            # Left in place, the next start would wait a whole lease period for a job that has ended.
+            # Without the lock: a job taking over between the read and the removal would have had to write its own
+            # lease, which needs the room this volume lacks.  Left in place, the next start would wait a whole lease
+            # period for a job that has ended.
             with contextlib.suppress(OSError):
                 self._remove_if_mine()
         with contextlib.suppress(OSError):
