@@ -3,8 +3,8 @@
 Kubeflow Trainer's status server is played by an HTTPS server on loopback with a certificate from a CA this test
 makes, and a token file that it rotates, as the kubelet does; the three variables the Trainer's controller injects
 point the job at it.  One job runs three times on one volume (three starts of the demo are the cost of it all):
-stopped by SIGTERM at step 20 after a 6 s hang at step 12; resumed, hung for good at step 26 with FT_STUCK_EXIT=true
-(exit 77); resumed again to the end, while the server first holds a post unanswered and then refuses one.
+stopped by SIGTERM at step 20 after a 6 s hang at step 12; resumed, hung at step 26 (for 120 s, 40 times the
+threshold) with FT_STUCK_EXIT=true (exit 77); resumed again to the end, while the server first holds a post unanswered and then refuses one.
 """
 
 from __future__ import annotations
@@ -180,6 +180,42 @@ class Attempt:
         return [values[name] for _, values in self.scrapes if name in values and (stage is None or values[f"fulltune_stage[{stage}]"] == 1)]
 
 
+def test_progress_is_the_whole_jobs_by_stage_and_100_only_when_it_is_done():
+    from trainer.telemetry.feed import Telemetry
+
+    telemetry = Telemetry()
+    assert telemetry.snapshot().percentage() == 0  # starting: nothing is posted then
+    telemetry.stage("training", step=10, max_steps=40)  # resumed at step 10
+    assert telemetry.snapshot().percentage() == 22  # 90 % x 10/40
+    telemetry.step(40, last=True)
+    assert telemetry.snapshot().percentage() == 90 and telemetry.snapshot().seconds_since_last_step(time.monotonic()) is None
+    telemetry.stage("saving")
+    assert telemetry.snapshot().percentage() == 90
+    telemetry.stage("registering")
+    assert telemetry.snapshot().percentage() == 95
+    telemetry.close(3)  # registration failed: not done
+    assert telemetry.snapshot().percentage() == 95
+    telemetry.close(0)
+    assert telemetry.snapshot().percentage() == 100
+
+
+@pytest.mark.faults("the TrainJob status server refuses connections")
+def test_a_status_server_that_is_down_costs_one_line_per_outage_and_returns_at_once(capfd):
+    from trainer.telemetry import kubeflow
+    from trainer.telemetry.feed import Snapshot
+
+    port = free_port()  # nothing listens there
+    reporter = kubeflow.Reporter(f"https://127.0.0.1:{port}/status", None, None, Snapshot)
+    started = time.monotonic()
+    for step in (1, 2):
+        reporter.transition(Snapshot(stage="training", step=step, max_steps=4, observed=time.time()))
+        time.sleep(0.2)
+    assert time.monotonic() - started < 1  # the caller never waits for the server
+    reporter.close(Snapshot(stage="done", step=4, max_steps=4, observed=time.time()))  # the last one, 5 s after the previous
+    lines = [line for line in capfd.readouterr().err.splitlines() if "TrainJob status: not sent" in line]
+    assert len(lines) == 1 and "ConnectionRefusedError" in lines[0], lines
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """The three attempts, each its Attempt; the server; the volume."""
@@ -190,7 +226,7 @@ def job(tmp_path_factory):
     attempts = {}
     for name, faults, settings, plan in [
         ("stopped", {"seconds_per_step": "0.4", "hang_at_step": "12:6", "sigterm_at_step": "20"}, {}, []),
-        ("stuck", {"seconds_per_step": "0.4", "hang_at_step": "26:600"}, {"FT_STUCK_EXIT": "true"}, []),
+        ("stuck", {"seconds_per_step": "0.4", "hang_at_step": "26:120"}, {"FT_STUCK_EXIT": "true"}, []),
         ("finished", {"seconds_per_step": "0.5"}, {"FT_STUCK_AFTER_SECONDS": "0"}, ["hold", "refuse"]),
     ]:
         server.attempt, server.plan = name, plan
@@ -204,6 +240,7 @@ def job(tmp_path_factory):
     return attempts, server, volume
 
 
+@pytest.mark.slow
 def test_each_attempt_ends_as_its_faults_say(job):
     attempts, _, volume = job
     assert attempts["stopped"].code == 75, attempts["stopped"].log[-3000:]
@@ -213,6 +250,7 @@ def test_each_attempt_ends_as_its_faults_say(job):
     assert committed_steps(volume) == [20, 40]
 
 
+@pytest.mark.slow
 def test_the_trainjob_hears_0_first_then_rising_and_100_only_once_the_job_has_finished(job):
     attempts, server, _ = job
     stopped, finished = attempts["stopped"].percentages(), attempts["finished"].percentages()
@@ -226,6 +264,7 @@ def test_the_trainjob_hears_0_first_then_rising_and_100_only_once_the_job_has_fi
     assert last_metrics["stage"] == "done" and last_metrics["step"] == "40" and float(last_metrics["eval_loss"]) > 0
 
 
+@pytest.mark.slow
 def test_every_post_is_a_valid_status_update_sent_with_the_current_token_at_most_every_5_s(job):
     from kubeflow_trainer_api.models import TrainerV1alpha1UpdateTrainJobStatusRequest as Request
 
@@ -249,6 +288,7 @@ def test_every_post_is_a_valid_status_update_sent_with_the_current_token_at_most
         assert all(later - earlier > 4.5 for earlier, later in zip(times, times[1:], strict=False)), attempt  # 5 s apart where they leave the job
 
 
+@pytest.mark.slow
 def test_a_restart_posts_from_where_the_job_was(job):
     attempts, _, _ = job
     for name in ("stuck", "finished"):  # both resumed from checkpoint-20
@@ -257,6 +297,7 @@ def test_a_restart_posts_from_where_the_job_was(job):
         assert {m["name"]: m["value"] for m in first["metrics"]}["step"] == "20"
 
 
+@pytest.mark.slow
 @pytest.mark.faults("the TrainJob status server holds a post unanswered, then refuses one")
 def test_a_status_server_that_does_not_answer_costs_one_log_line_and_no_step(job):
     attempts, server, _ = job
@@ -271,6 +312,7 @@ def test_a_status_server_that_does_not_answer_costs_one_log_line_and_no_step(job
         assert "TrainJob status: not sent" not in attempts[name].log
 
 
+@pytest.mark.slow
 def test_metrics_show_the_step_rising_tokens_per_s_and_the_time_since_the_last_step_resetting(job):
     attempts, _, _ = job
     stopped = attempts["stopped"]
@@ -288,6 +330,7 @@ def test_metrics_show_the_step_rising_tokens_per_s_and_the_time_since_the_last_s
     assert finished[0] == 20 and finished[-1] == MAX_STEPS  # a resumed job counts from its checkpoint
 
 
+@pytest.mark.slow
 @pytest.mark.faults("no optimizer step for FT_STUCK_AFTER_SECONDS (a hung step)")
 def test_a_hung_job_is_flagged_stuck_once_and_with_stuck_exit_ends_77_saving_nothing(job):
     attempts, _, _ = job
