@@ -25,7 +25,7 @@ PUBLIC_NAMES = {
     "FT_LOSS_LIMIT", "FT_ALLOW_PICKLE_WEIGHTS",
     "FT_NUM_PROCESSES", "FT_DISTRIBUTED", "FT_NUM_NODES", "FT_NODE_RANK", "FT_MASTER_ADDR", "FT_MASTER_PORT",
     "FT_COLLECTIVE_TIMEOUT_SECONDS", "FT_EARLY_STOPPING_PATIENCE", "FT_EVAL_SAMPLES",
-    "FT_EVAL_SAMPLE_TOKENS", "FT_LOG_LEVEL",
+    "FT_EVAL_SAMPLE_TOKENS", "FT_LOG_LEVEL", "FT_METRICS_PORT", "FT_STUCK_AFTER_SECONDS", "FT_STUCK_EXIT",
 }
 
 
@@ -73,6 +73,8 @@ def test_an_unknown_ft_variable_is_rejected_and_a_secret_looking_value_is_masked
         ({"FT_SAVE_STEPS": "30"}, r"FT_SAVE_STEPS='30': must be a multiple of FT_EVAL_STEPS=25"),
         ({"FT_EVAL_FRACTION": "1.5"}, r"FT_EVAL_FRACTION='1.5': must be >= 0 and < 1"),
         ({"FT_REGISTERED_MODEL": "a.b.c.d"}, r"FT_REGISTERED_MODEL='a.b.c.d': must be `model` or `catalog.schema.model`"),
+        ({"FT_METRICS_PORT": "29500"}, r"FT_METRICS_PORT='29500': must differ from FT_MASTER_PORT=29500, where node 0 holds the processes' rendezvous"),
+        ({"FT_METRICS_PORT": "65536"}, r"FT_METRICS_PORT='65536': out of range \(allowed: an integer >= 0 and <= 65535\)"),
     ],
 )
 def test_invalid_setting_is_named_with_what_is_allowed(env, message):

@@ -27,6 +27,7 @@ from trainer.data import prepare as data
 from trainer.launch import launcher
 from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
+from trainer.telemetry.feed import Telemetry
 from trainer.tracking import overview, packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
@@ -35,7 +36,7 @@ from trainer.tracking.run import Tracker
 STARTED = time.perf_counter()  # the training process's start, for the summary line and FT_LOG_LEVEL=debug's timings
 
 
-def run(config: Config, tracker: Tracker) -> None:
+def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     settings = config.settings
     stopper = preemption.StopOnSignal(settings.stop_deadline_seconds)  # first: a stop during loading is seen
     quiet.quiet_libraries(settings.log_level)
@@ -52,6 +53,7 @@ def run(config: Config, tracker: Tracker) -> None:
     tracker.warm_up()  # MLflow imported and the URI checked in the background, while the plan and the data are checked
     if status.final_model:  # trained and saved by an earlier attempt whose registration (or tracking) failed (exit 3)
         if ranks.is_main():
+            telemetry.stage("registering")
             with tracker:
                 _register(config, volume, status.metadata, tracker)
         return
@@ -71,10 +73,13 @@ def run(config: Config, tracker: Tracker) -> None:
     with tracker:
         tracker.log(**data_report.tracked(prepared.report))
         run_report = report.RunReport(_report_facts(config, plan, prepared), tracker, committed=lambda: _committed(volume))
-        trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker)
+        trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, telemetry)
+        telemetry.stage("saving")
         metadata = save_final(config, trainer, tokenizer, volume, tracker)
         if ranks.is_main():
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
+            if config.settings.registered_model:
+                telemetry.stage("registering")
             try:
                 _register(config, volume, metadata, tracker)
             finally:
@@ -107,14 +112,16 @@ def _debug(settings: Any, stage: str) -> None:
 
 
 def build_trainer(
-    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = ()
+    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = (),
+    telemetry: Telemetry | None = None,
 ) -> Any:
     """The job's SFTTrainer for a configuration (bench/ measures exactly this one).
 
     `tracker`: the job's run (none: a Trainer that tracks nothing); `net`: an already built model instead of
-    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
+    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B); `telemetry`: what the cluster sees (none: nothing).
     """
     from transformers import EarlyStoppingCallback, PrinterCallback
+    from transformers.integrations import KubeflowCallback
 
     settings, cuda = config.settings, config.cuda
     tracker = tracker or Tracker(config, enabled=False)
@@ -142,17 +149,19 @@ def build_trainer(
             *samples.callbacks(config, tokenizer, prepared, plan, tracker),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             MetricsCallback(tracker),
-            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs),
+            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs, telemetry),
             # last: the diverged loss is logged and printed first
             divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit, settle=saver.wait_for_saves),
         ],
     )
     trainer.remove_callback(PrinterCallback)  # it prints each raw `logs` dict after the progress line (disable_tqdm=True installs it)
+    trainer.remove_callback(KubeflowCallback)  # added by TrainingArguments under Kubeflow Trainer; trainer/telemetry/kubeflow.py reports instead
     return trainer
 
 
 def train(
-    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport, tracker: Tracker
+    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport,
+    tracker: Tracker, telemetry: Telemetry,
 ) -> Any:
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
@@ -163,7 +172,7 @@ def train(
         resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
         if stopper.requested:
             raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch))
+        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry)
         trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
         tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
         print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
@@ -253,14 +262,16 @@ def main() -> int:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one progress log per job: rank 0's (errors still reach stderr)
     preemption.end_with_the_launcher()
     config = tracker = None
+    telemetry = Telemetry()
     try:
         config = job_config.handed_over()
+        telemetry = Telemetry.start(config)  # the metrics endpoint and the TrainJob status, from before the first step
         if ranks.world_size() == 1:  # torchrun's ranks got accelerate's environment from the launcher
             os.environ.update(launcher.accelerate_environment(use_cpu=not config.cuda))
         devices.check_torch_agrees(config.cuda)
         tracker = Tracker(config)
         with diskfull.reported(config.settings.output_dir, lambda: diskfull.elsewhere(Volume(config.settings.output_dir))):
-            run(config, tracker)
+            run(config, tracker, telemetry)
         code = 0
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code
         if isinstance(error, SystemExit):
@@ -273,6 +284,7 @@ def main() -> int:
     if ranks.is_main() and config is not None:
         settings = config.settings
         print(summary.line(code, time.perf_counter() - STARTED, tracker, settings.output_dir, settings.max_steps), flush=True)
+    telemetry.close(code)  # 100 % only here, for exit 0: trained, saved and registered
     sys.stdout.flush()
     record_exit(code)
     return code

@@ -49,6 +49,9 @@ EXIT_CODES = {
         "ends (on one node the job restarts its processes there by itself); the retry starts at that plan from the last committed checkpoint.",
     76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while "
         "the training process was starting. A retry resumes from the previous committed checkpoint.",
+    77: "Stuck: no optimizer step for FT_STUCK_AFTER_SECONDS while training, with FT_STUCK_EXIT=true (a hung GPU, node, volume or "
+        "collective), no traceback. The job ends at once without saving, so that the scheduler starts it again (Kubernetes counts it "
+        "against backoffLimit, as exit 1). A retry resumes from the last committed checkpoint.",
 }
 
 
@@ -159,4 +162,12 @@ class StopAbandoned(FulltuneError):
     """A second signal or the stop deadline cut the final save short."""
 
     exit_code = 76
+    show_traceback = False
+
+
+class Stuck(FulltuneError):
+    """No optimizer step for FT_STUCK_AFTER_SECONDS (trainer/telemetry/stuck.py): the training thread is hung, so the
+    process ends from the watch's thread; a new start, maybe on another node, resumes from the last committed checkpoint."""
+
+    exit_code = 77
     show_traceback = False

@@ -33,6 +33,8 @@ def cross_checks(values: dict[str, Any]) -> dict[str, str]:
         problems["FT_NODE_RANK"] = f"must be below FT_NUM_NODES={values['num_nodes']} (nodes are numbered from 0)"
     if values["num_nodes"] > 1 and not values["master_addr"].strip():
         problems["FT_MASTER_ADDR"] = "must name node 0 (its host name or address) when FT_NUM_NODES > 1"
+    if values["metrics_port"] and values["metrics_port"] == values["master_port"]:
+        problems["FT_METRICS_PORT"] = f"must differ from FT_MASTER_PORT={values['master_port']}, where node 0 holds the processes' rendezvous"
     name = values["registered_model"]
     if name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
         problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"

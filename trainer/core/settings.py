@@ -174,6 +174,15 @@ class Settings:
                                                                     "exit (read by Kubernetes); empty = none.")
     log_level: Literal["info", "debug"] = setting("info", "What the job's log shows: `info`, fulltune's own lines (MLflow's and other libraries' INFO "
                                                           "lines left out); `debug` adds those and the start-up stage timings (docs/tracking-notes.md).")
+    # -- Monitoring ----------------------------------------------------------------------------------
+    metrics_port: int = setting(0, "Port of rank 0's Prometheus endpoint (`/metrics`: step, loss, tokens/s, MFU, memory, checkpoint cost, "
+                                   "seconds since the last optimizer step); 0 = none ([the metrics](cluster.md#metrics)).",
+                                minimum=0, maximum=65535, group="Monitoring")
+    stuck_after_seconds: int = setting(1800, "Seconds without an optimizer step, while training, after which the job logs that it is stuck (once) "
+                                             "and `fulltune_stuck` turns 1; keep it above the longest evaluation or checkpoint pause. 0 = never.",
+                                       minimum=0)
+    stuck_exit: bool = setting(False, "A stuck job also ends, with exit 77 (a retry resumes from the last committed checkpoint), so that the "
+                                      "scheduler can start it again, on another node if it picks one.")
     # -- Scaling out ---------------------------------------------------------------------------
     num_processes: int = setting(0, "Training processes on this node, one per GPU; 0 = every visible GPU (1 on CPU). More than one "
                                     "multiplies the effective batch: `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` × processes "
