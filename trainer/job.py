@@ -12,13 +12,14 @@ import time
 from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
-from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption
+from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption, restore, uploads
+from trainer.checkpointing.mirror import Mirror
 from trainer.core import config as job_config
-from trainer.core import devices, locations, ranks
+from trainer.core import devices, locations, objectstore, ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
-from trainer.core.errors import Preempted
+from trainer.core.errors import MirrorBehind, MirrorUnusable, Preempted
 from trainer.core.files import staged
 from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
@@ -27,7 +28,7 @@ from trainer.data import prepare as data
 from trainer.launch import launcher
 from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
-from trainer.tracking import overview, packaging, progress, quiet, report, samples, summary
+from trainer.tracking import hub_push, overview, packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker
@@ -45,40 +46,100 @@ def run(config: Config, tracker: Tracker) -> None:
     status = volume.status()
     if status.final_model or status.registered:
         job_config.check_finished_job(config)  # a finished volume re-run with other settings trains nothing: say so (exit 2), never exit 0
-    if done := status.done(registering=bool(settings.registered_model)):
+    if done := status.done(registering=bool(settings.registered_model), mirror=_mirror_name(settings), hub=settings.push_to_hub):
         print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
     tracking_server.check_reachable()  # seconds, before anything is downloaded, when MLFLOW_TRACKING_URI names a server that does not answer
     tracker.warm_up()  # MLflow imported and the URI checked in the background, while the plan and the data are checked
-    if status.final_model:  # trained and saved by an earlier attempt whose registration (or tracking) failed (exit 3)
+    if status.final_model:  # trained and saved by an earlier attempt whose registration, tracking (exit 3) or delivery (exit 8) failed
         if ranks.is_main():
             with tracker:
                 _register(config, volume, status.metadata, tracker)
+            deliver(config, volume, None)
         return
 
     if settings.preset == "demo":
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
+    hub_push.check_token(settings)  # FT_PUSH_TO_HUB without a token: exit 2 now, not after training
     plan = stepdown.resumed(config, memory.preflight(config))  # from config.json alone: exit 2 before weights or data are downloaded
+    mirror = ranks.main_first(lambda: restore.from_mirror(config, volume))  # FT_MIRROR_URL: its newest checkpoint, when newer than the volume's
     layout.check_resumable(manifest.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     job_config.check_fingerprint(config)
+    mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint()) if mirror else None
+    if mirroring:
+        mirroring.committed()  # the fingerprint, and what an earlier attempt committed but did not upload
     overview.print_plan(config, prepared, plan)
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
     with tracker:
         tracker.log(**data_report.tracked(prepared.report))
         run_report = report.RunReport(_report_facts(config, plan, prepared), tracker, committed=lambda: _committed(volume))
-        trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker)
+        try:
+            trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, mirroring)
+        except Preempted:
+            _mirror_the_stop(mirroring, stopper)
+            raise
         metadata = save_final(config, trainer, tokenizer, volume, tracker)
         if ranks.is_main():
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
+            if settings.push_to_hub:
+                hub_push.write_card(config, volume, metadata, tracker, trainer.state)
+            if mirroring:
+                mirroring.final()  # uploaded while the model is registered
             try:
                 _register(config, volume, metadata, tracker)
             finally:
                 run_report.finished()  # also after a failed registration (exit 3): it says where the model is
+    deliver(config, volume, mirroring)
+
+
+def _mirror_name(settings: Any) -> str:
+    return objectstore.shown(settings.mirror_url.rstrip("/")) if settings.mirror_url else ""
+
+
+def _mirror_the_stop(mirroring: uploads.Uploads | None, stopper: preemption.StopOnSignal) -> None:
+    """A stop: the mirror gets the stop's checkpoint within what is left of FT_STOP_DEADLINE_SECONDS; the job exits 75 either way."""
+    if mirroring is None or not stopper.requested:
+        return
+    left = stopper.deadline_seconds - (time.monotonic() - stopper.requested_at)
+    if not mirroring.settle(max(left, 0.0)):
+        print(f"fulltune: warning: the mirror {mirroring.mirror.shown} has not received {mirroring.behind()} before the stop deadline"
+              f" ({mirroring.last_error or 'still uploading'}); a restart on this volume uploads it, one on an empty volume resumes from the mirror's newest",
+              flush=True)
+
+
+def deliver(config: Config, volume: Volume, mirroring: uploads.Uploads | None) -> None:
+    """The copies the settings ask for, once the model is saved: FT_MIRROR_URL holds the final model and the committed
+    checkpoints (waited for up to FT_MIRROR_WAIT_SECONDS, else exit 8), then FT_PUSH_TO_HUB gets the model and its card
+    (exit 8 when the push fails).  A retry after exit 8 does only this."""
+    settings = config.settings
+    if not ranks.is_main():
+        return
+    if settings.mirror_url and volume.status().mirrored != _mirror_name(settings):
+        if mirroring is None:  # a retry: the mirror's fingerprint is checked (exit 2), a store that does not answer is waited for below
+            try:
+                mirror = restore.from_mirror(config, volume)
+            except MirrorUnusable:
+                mirror = Mirror(settings.mirror_url)
+            mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint())
+            mirroring.final()
+        if not mirroring.settle(settings.mirror_wait_seconds):
+            registered = f", registered as {volume.status().registered}," if volume.status().registered else ""
+            raise MirrorBehind(
+                f"the model is trained and saved at {os.path.abspath(volume.final)}{registered} but FT_MIRROR_URL={mirroring.mirror.shown} has not"
+                f" received {mirroring.behind()} within FT_MIRROR_WAIT_SECONDS={settings.mirror_wait_seconds} ({mirroring.last_error or 'still uploading'})."
+                " Re-run the job once the store answers: it only uploads, without training."
+            )
+        volume.mark_mirrored(_mirror_name(settings))
+        print(f"fulltune: mirror {mirroring.mirror.shown} holds the final model and every committed checkpoint of the volume", flush=True)
+    if settings.push_to_hub and volume.status().pushed != settings.push_to_hub:
+        url = hub_push.push(settings, volume)  # exit 8 when it fails (trainer/tracking/hub_push.py)
+        volume.mark_pushed(settings.push_to_hub)
+        print(f"fulltune: pushed the final model and its card to {url}", flush=True)
 
 
 def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared) -> report.ReportFacts:
@@ -107,12 +168,13 @@ def _debug(settings: Any, stage: str) -> None:
 
 
 def build_trainer(
-    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = ()
+    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = (),
+    after_commit: Any = None,
 ) -> Any:
     """The job's SFTTrainer for a configuration (bench/ measures exactly this one).
 
     `tracker`: the job's run (none: a Trainer that tracks nothing); `net`: an already built model instead of
-    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
+    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B); `after_commit(folder)`: told of each committed checkpoint.
     """
     from transformers import EarlyStoppingCallback, PrinterCallback
 
@@ -126,7 +188,7 @@ def build_trainer(
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
     refuse = divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete)  # a NaN save never counts
-    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda)
+    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda, after_commit=after_commit)
     trainer = sharding.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer, saving in the background; under FSDP it shards on CPU processes too
         model=net,
         args=args,
@@ -152,7 +214,8 @@ def build_trainer(
 
 
 def train(
-    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport, tracker: Tracker
+    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport,
+    tracker: Tracker, mirroring: uploads.Uploads | None = None,
 ) -> Any:
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
@@ -163,7 +226,8 @@ def train(
         resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
         if stopper.requested:
             raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch))
+        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch),
+                                after_commit=mirroring.committed if mirroring else None)
         trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
         tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
         print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)

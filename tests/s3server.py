@@ -1,0 +1,93 @@
+"""A real S3-compatible server on loopback for the tests: moto's standalone server, in a process of its own.
+
+    server = S3Server(folder).start()       # python tests/s3server.py PORT STATE: moto's server on 127.0.0.1:PORT
+    env = server.env()                      # AWS_ENDPOINT_URL and fake credentials, as a job gets them
+    server.stop(); ...; server.start()      # SIGTERM: the process ends (connections refused), its buckets kept in STATE
+
+moto keeps its buckets in memory only, so a stopped server would come back empty: on SIGTERM this process writes
+moto's S3 state to STATE (a pickle, which moto's objects support) before it exits, and reads it back when it starts
+again, as a real store keeps what it holds across a restart.  SIGKILL loses what changed since the last stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KEY_ID = "AKIAFULLTUNETESTKEY0"
+SECRET_KEY = "s3-secret-do-not-leak-0123456789abcdef"  # must appear in no log, param, report or termination message
+
+
+class S3Server:
+    def __init__(self, folder: Path, port: int | None = None):
+        from conftest import free_port
+
+        self.folder, self.port = Path(folder), port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.state = self.folder / "s3-state.pickle"
+        self.process: subprocess.Popen | None = None
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def start(self) -> S3Server:
+        from conftest import wait_for
+
+        log = open(self.folder / "s3server.log", "a")  # noqa: SIM115 - closed with the process
+        self.process = subprocess.Popen([sys.executable, __file__, str(self.port), str(self.state)], stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self.answers, timeout=60, what="the S3 server")
+        return self
+
+    def answers(self) -> bool:
+        import urllib.request
+
+        assert self.process.poll() is None, (self.folder / "s3server.log").read_text()
+        try:
+            with urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(timeout=60) == 0, (self.folder / "s3server.log").read_text()[-2000:]
+
+    def filesystem(self):
+        """An s3fs client of this server, for the test itself."""
+        import s3fs
+
+        return s3fs.S3FileSystem(endpoint_url=self.url, key=KEY_ID, secret=SECRET_KEY,
+                                 skip_instance_cache=True, use_listings_cache=False)
+
+
+def _serve(port: int, state: str) -> None:
+    import pickle
+
+    from moto.s3.models import s3_backends
+    from moto.server import ThreadedMotoServer
+
+    if os.path.exists(state):
+        with open(state, "rb") as f:
+            for account, backend in pickle.load(f).items():
+                s3_backends[account] = backend
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+
+    def stop(_signum, _frame) -> None:
+        server.stop()
+        with open(f"{state}.tmp", "wb") as f:
+            pickle.dump(dict(s3_backends), f)
+        os.replace(f"{state}.tmp", state)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), sys.argv[2])
