@@ -40,9 +40,9 @@ def check_token(settings: settings_table.Settings) -> None:
 def card(config: Config, metadata: dict[str, str], run: dict[str, Any], state: Any) -> str:
     """The model card: YAML metadata the hub indexes (base model, data set, library), then what a reader asks of a fine-tune."""
     settings = config.settings
-    base = metadata.get("pretrained_model_name", settings.model)
+    base = metadata.get("pretrained_model_name", settings.model)  # the demo's is its own name, not a path on this machine
     data = settings.dataset
-    header = ["---", f"base_model: {base}" if locations.is_hub_id(base) else "", "library_name: transformers", "pipeline_tag: text-generation",
+    header = ["---", f"base_model: {base}" if locations.is_hub_id(settings.model) else "", "library_name: transformers", "pipeline_tag: text-generation",
               *( [f"datasets:\n- {data}"] if locations.is_hub_id(data, data=True) else []), "tags:\n- fulltune\n- full-fine-tuning\n- sft", "---"]
     params = settings_table.as_params(settings)
     changing = {f"FT_{name.upper()}" for name in settings_table.changing(settings, ("data", "training"))}
