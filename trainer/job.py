@@ -13,13 +13,12 @@ from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption, restore, uploads
-from trainer.checkpointing.mirror import Mirror
 from trainer.core import config as job_config
-from trainer.core import devices, locations, objectstore, ranks
+from trainer.core import devices, locations, ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
-from trainer.core.errors import MirrorBehind, MirrorUnusable, Preempted
+from trainer.core.errors import Preempted
 from trainer.core.files import staged
 from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
@@ -28,7 +27,7 @@ from trainer.data import prepare as data
 from trainer.launch import launcher
 from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
-from trainer.tracking import hub_push, overview, packaging, progress, quiet, report, samples, summary
+from trainer.tracking import copies, hub_push, overview, packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker
@@ -46,7 +45,7 @@ def run(config: Config, tracker: Tracker) -> None:
     status = volume.status()
     if status.final_model or status.registered:
         job_config.check_finished_job(config)  # a finished volume re-run with other settings trains nothing: say so (exit 2), never exit 0
-    if done := status.done(registering=bool(settings.registered_model), mirror=_mirror_name(settings), hub=settings.push_to_hub):
+    if done := status.done(registering=bool(settings.registered_model), mirror=copies.mirror_name(settings), hub=settings.push_to_hub):
         print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
     tracking_server.check_reachable()  # seconds, before anything is downloaded, when MLFLOW_TRACKING_URI names a server that does not answer
@@ -55,7 +54,7 @@ def run(config: Config, tracker: Tracker) -> None:
         if ranks.is_main():
             with tracker:
                 _register(config, volume, status.metadata, tracker)
-            deliver(config, volume, None)
+            copies.deliver(config, volume, None)
         return
 
     if settings.preset == "demo":
@@ -81,7 +80,7 @@ def run(config: Config, tracker: Tracker) -> None:
         try:
             trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, mirroring)
         except Preempted:
-            _mirror_the_stop(mirroring, stopper)
+            uploads.after_stop(mirroring, stopper)
             raise
         metadata = save_final(config, trainer, tokenizer, volume, tracker)
         if ranks.is_main():
@@ -94,52 +93,7 @@ def run(config: Config, tracker: Tracker) -> None:
                 _register(config, volume, metadata, tracker)
             finally:
                 run_report.finished()  # also after a failed registration (exit 3): it says where the model is
-    deliver(config, volume, mirroring)
-
-
-def _mirror_name(settings: Any) -> str:
-    return objectstore.shown(settings.mirror_url.rstrip("/")) if settings.mirror_url else ""
-
-
-def _mirror_the_stop(mirroring: uploads.Uploads | None, stopper: preemption.StopOnSignal) -> None:
-    """A stop: the mirror gets the stop's checkpoint within what is left of FT_STOP_DEADLINE_SECONDS; the job exits 75 either way."""
-    if mirroring is None or not stopper.requested:
-        return
-    left = stopper.deadline_seconds - (time.monotonic() - stopper.requested_at)
-    if not mirroring.settle(max(left, 0.0)):
-        print(f"fulltune: warning: the mirror {mirroring.mirror.shown} has not received {mirroring.behind()} before the stop deadline"
-              f" ({mirroring.last_error or 'still uploading'}); a restart on this volume uploads it, one on an empty volume resumes from the mirror's newest",
-              flush=True)
-
-
-def deliver(config: Config, volume: Volume, mirroring: uploads.Uploads | None) -> None:
-    """The copies the settings ask for, once the model is saved: FT_MIRROR_URL holds the final model and the committed
-    checkpoints (waited for up to FT_MIRROR_WAIT_SECONDS, else exit 8), then FT_PUSH_TO_HUB gets the model and its card
-    (exit 8 when the push fails).  A retry after exit 8 does only this."""
-    settings = config.settings
-    if not ranks.is_main():
-        return
-    if settings.mirror_url and volume.status().mirrored != _mirror_name(settings):
-        if mirroring is None:  # a retry: the mirror's fingerprint is checked (exit 2), a store that does not answer is waited for below
-            try:
-                mirror = restore.from_mirror(config, volume)
-            except MirrorUnusable:
-                mirror = Mirror(settings.mirror_url)
-            mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint())
-            mirroring.final()
-        if not mirroring.settle(settings.mirror_wait_seconds):
-            registered = f", registered as {volume.status().registered}," if volume.status().registered else ""
-            raise MirrorBehind(
-                f"the model is trained and saved at {os.path.abspath(volume.final)}{registered} but FT_MIRROR_URL={mirroring.mirror.shown} has not"
-                f" received {mirroring.behind()} within FT_MIRROR_WAIT_SECONDS={settings.mirror_wait_seconds} ({mirroring.last_error or 'still uploading'})."
-                " Re-run the job once the store answers: it only uploads, without training."
-            )
-        volume.mark_mirrored(_mirror_name(settings))
-        print(f"fulltune: mirror {mirroring.mirror.shown} holds the final model and every committed checkpoint of the volume", flush=True)
-    if settings.push_to_hub and volume.status().pushed != settings.push_to_hub:
-        url = hub_push.push(settings, volume)  # exit 8 when it fails (trainer/tracking/hub_push.py)
-        volume.mark_pushed(settings.push_to_hub)
-        print(f"fulltune: pushed the final model and its card to {url}", flush=True)
+    copies.deliver(config, volume, mirroring)  # FT_MIRROR_URL holds it all (exit 8 past FT_MIRROR_WAIT_SECONDS), then FT_PUSH_TO_HUB
 
 
 def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared) -> report.ReportFacts:

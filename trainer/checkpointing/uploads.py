@@ -19,6 +19,7 @@ import json
 import os
 import threading
 import time
+from typing import Any
 
 from trainer.checkpointing import manifest as manifests
 from trainer.checkpointing.mirror import CHECKPOINTS, FINAL, Gone, Mirror, same
@@ -153,6 +154,18 @@ class Uploads:
         if sent:
             self.sent_bytes += sent
             self.sent_seconds += time.perf_counter() - began
+
+
+def after_stop(uploads: Uploads | None, stopper: Any) -> None:
+    """A stop (preemption.StopOnSignal): the mirror gets the stop's checkpoint within what is left of FT_STOP_DEADLINE_SECONDS;
+    the job exits 75 either way (the checkpoint is committed on the volume)."""
+    if uploads is None or not stopper.requested:
+        return
+    left = stopper.deadline_seconds - (time.monotonic() - stopper.requested_at)
+    if not uploads.settle(max(left, 0.0)):
+        print(f"fulltune: warning: the mirror {uploads.mirror.shown} has not received {uploads.behind()} before the stop deadline"
+              f" ({uploads.last_error or 'still uploading'}); a restart on this volume uploads it, one on an empty volume resumes from the mirror's newest",
+              flush=True)
 
 
 def best_step(checkpoint: str) -> int | None:
