@@ -56,7 +56,14 @@ class S3Server:
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
-        assert self.process.wait(timeout=60) == 0, (self.folder / "s3server.log").read_text()[-2000:]
+        try:
+            code = self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            self.process.kill()
+            raise AssertionError("the S3 server did not stop: " + (self.folder / "s3server.log").read_text()[-6000:]) from None
+        assert code == 0, (self.folder / "s3server.log").read_text()[-2000:]
 
     def filesystem(self):
         """An s3fs client of this server, for the test itself."""
@@ -79,16 +86,27 @@ def _serve(port: int, state: str) -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
 
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # the threads' stacks into the log, when a stop does not end the process
+
     def stop(_signum, _frame) -> None:
-        server.stop()
+        # No server.stop(): its shutdown can wait on a client's open connection.  The state is written, then the process
+        # ends, which closes the port and every connection at once, as a crashed server's would be.
+        for _ in range(50):
+            try:
+                saved = pickle.dumps(dict(s3_backends))
+                break
+            except RuntimeError:  # a request changed a bucket while it was pickled: again
+                time.sleep(0.1)
         with open(f"{state}.tmp", "wb") as f:
-            pickle.dump(dict(s3_backends), f)
+            f.write(saved)
         os.replace(f"{state}.tmp", state)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    while True:
-        time.sleep(3600)
+    while True:  # short sleeps: a signal the kernel hands to a request thread wakes no long sleep of this one, where the handler runs
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

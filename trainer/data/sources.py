@@ -5,10 +5,10 @@ again (`train.jsonl line 17`, `part-0003.parquet row 12`, `row 812`), and has a 
 identifies its content without reading it (paths, sizes and modification times or ETags; hub id,
 configuration, split and revision), which keys the tokenized-data cache.
 
-Files are read through fsspec, so `s3://`, `gs://` and `az://` URLs work wherever the matching
-filesystem package (s3fs, gcsfs, adlfs) is installed; each reads its platform's standard
-credentials (AWS_* variables or the instance role, GOOGLE_APPLICATION_CREDENTIALS or the metadata
-server, AZURE_STORAGE_* variables).
+Files are read through fsspec, so `s3://`, `gs://` and `az://` URLs work with the filesystem packages
+the image has (s3fs, gcsfs, adlfs; trainer/core/objectstore.py opens them); each reads its platform's
+standard credentials (AWS_* variables or the pod's role, GOOGLE_APPLICATION_CREDENTIALS or workload
+identity, AZURE_STORAGE_* variables or a managed identity).
 """
 
 from __future__ import annotations
