@@ -183,7 +183,6 @@ def test_stop_exits_75_with_a_committed_checkpoint_and_train_resumes_to_the_unin
     assert difference <= 1e-5
 
 
-@pytest.mark.faults("FT_DATASET and FT_MIRROR_URL on s3:// in the image")
 def test_the_image_reads_s3_data_and_mirrors_to_s3_through_aws_endpoint_url(shared, say):
     """The packages an s3:// URL needs are in the image: moto's S3 server on the host's loopback, the container on the host's network."""
     import json
