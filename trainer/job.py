@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
-from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption
+from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption, restore, uploads
 from trainer.core import config as job_config
 from trainer.core import devices, locations, ranks
 from trainer.core import settings as settings_table
@@ -28,7 +28,7 @@ from trainer.launch import launcher
 from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
 from trainer.telemetry.feed import Telemetry
-from trainer.tracking import overview, packaging, progress, quiet, report, samples, summary
+from trainer.tracking import copies, hub_push, overview, packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker
@@ -46,44 +46,59 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     status = volume.status()
     if status.final_model or status.registered:
         job_config.check_finished_job(config)  # a finished volume re-run with other settings trains nothing: say so (exit 2), never exit 0
-    if done := status.done(registering=bool(settings.registered_model)):
+    if done := status.done(registering=bool(settings.registered_model), mirror=copies.mirror_name(settings), hub=settings.push_to_hub):
         print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
     tracking_server.check_reachable()  # seconds, before anything is downloaded, when MLFLOW_TRACKING_URI names a server that does not answer
     tracker.warm_up()  # MLflow imported and the URI checked in the background, while the plan and the data are checked
-    if status.final_model:  # trained and saved by an earlier attempt whose registration (or tracking) failed (exit 3)
+    if status.final_model:  # trained and saved by an earlier attempt whose registration, tracking (exit 3) or delivery (exit 8) failed
         if ranks.is_main():
             telemetry.stage("registering")
             with tracker:
                 _register(config, volume, status.metadata, tracker)
+            copies.deliver(config, volume, None)
         return
 
     if settings.preset == "demo":
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
+    hub_push.check_token(settings)  # FT_PUSH_TO_HUB without a token: exit 2 now, not after training
     plan = stepdown.resumed(config, memory.preflight(config))  # from config.json alone: exit 2 before weights or data are downloaded
+    mirror = ranks.main_first(lambda: restore.from_mirror(config, volume))  # FT_MIRROR_URL: its newest checkpoint, when newer than the volume's
     layout.check_resumable(manifest.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     job_config.check_fingerprint(config)
+    mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint()) if mirror else None
+    if mirroring:
+        mirroring.committed()  # the fingerprint, and what an earlier attempt committed but did not upload
     overview.print_plan(config, prepared, plan)
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
     with tracker:
         tracker.log(**data_report.tracked(prepared.report))
         run_report = report.RunReport(_report_facts(config, plan, prepared), tracker, committed=lambda: _committed(volume))
-        trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, telemetry)
+        try:
+            trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, telemetry, mirroring)
+        except Preempted:
+            uploads.after_stop(mirroring, stopper)
+            raise
         telemetry.stage("saving")
         metadata = save_final(config, trainer, tokenizer, volume, tracker)
         if ranks.is_main():
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
-            if config.settings.registered_model:
+            if settings.push_to_hub:
+                hub_push.write_card(config, volume, metadata, tracker, trainer.state)
+            if mirroring:
+                mirroring.final()  # uploaded while the model is registered
+            if settings.registered_model:
                 telemetry.stage("registering")
             try:
                 _register(config, volume, metadata, tracker)
             finally:
                 run_report.finished()  # also after a failed registration (exit 3): it says where the model is
+    copies.deliver(config, volume, mirroring)  # FT_MIRROR_URL holds it all (exit 8 past FT_MIRROR_WAIT_SECONDS), then FT_PUSH_TO_HUB
 
 
 def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared) -> report.ReportFacts:
@@ -113,12 +128,13 @@ def _debug(settings: Any, stage: str) -> None:
 
 def build_trainer(
     config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = (),
-    telemetry: Telemetry | None = None,
+    telemetry: Telemetry | None = None, after_commit: Any = None,
 ) -> Any:
     """The job's SFTTrainer for a configuration (bench/ measures exactly this one).
 
     `tracker`: the job's run (none: a Trainer that tracks nothing); `net`: an already built model instead of
-    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B); `telemetry`: what the cluster sees (none: nothing).
+    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B); `telemetry`: what the cluster sees (none: nothing);
+    `after_commit(folder)`: told of each committed checkpoint.
     """
     from transformers import EarlyStoppingCallback, PrinterCallback
     from transformers.integrations import KubeflowCallback
@@ -133,7 +149,7 @@ def build_trainer(
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
     refuse = divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete)  # a NaN save never counts
-    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda)
+    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda, after_commit=after_commit)
     trainer = sharding.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer, saving in the background; under FSDP it shards on CPU processes too
         model=net,
         args=args,
@@ -161,7 +177,7 @@ def build_trainer(
 
 def train(
     config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport,
-    tracker: Tracker, telemetry: Telemetry,
+    tracker: Tracker, telemetry: Telemetry, mirroring: uploads.Uploads | None = None,
 ) -> Any:
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
@@ -172,7 +188,8 @@ def train(
         resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
         if stopper.requested:
             raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry)
+        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry,
+                                after_commit=mirroring.committed if mirroring else None)
         trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
         tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
         print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)

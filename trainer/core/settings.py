@@ -117,6 +117,15 @@ class Settings:
     eval_sample_tokens: int = setting(128, "Most new tokens per sample answer (an answer also ends at the end-of-turn token).", minimum=1)
     logging_steps: int = setting(10, "Log loss, learning rate and throughput every N optimizer steps.", minimum=1)
     output_dir: str = setting("/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.")
+    # -- Object storage and the hub ------------------------------------------------------------
+    mirror_url: str = setting("", "An object-store folder (`s3://`, `gs://`, `az://`) that receives each committed checkpoint in the background "
+                                  "and the final model; a job on an empty volume resumes from it. Empty = none ([object storage](object-storage.md)).",
+                              group="Object storage and the hub")
+    mirror_wait_seconds: int = setting(600, "How long the end of the job waits for `FT_MIRROR_URL` to take the final model and the last checkpoints; "
+                                            "past it the job exits 8 with the model kept on the volume, and running it again only uploads.", minimum=0)
+    push_to_hub: str = setting("", "A Hugging Face hub repository (`org/name`) that receives the final model and a model card at the end "
+                                   "(`HF_TOKEN` with write access); empty = none ([the hub](object-storage.md#hugging-face-hub)).")
+    hub_private: bool = setting(True, "Create the `FT_PUSH_TO_HUB` repository private; a repository that exists keeps its visibility.")
     # -- Hardware ------------------------------------------------------------------------------------
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = setting("auto", "`auto`: `bf16-mixed` on a bf16-capable GPU, else `fp32`. `bf16-mixed` keeps "
                                                                                   "fp32 master weights and AdamW states and computes in bf16, so no update is "
