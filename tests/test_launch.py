@@ -138,3 +138,35 @@ def test_the_training_process_gets_the_variables_accelerate_launch_sets_on_cpu_a
     assert added["ACCELERATE_USE_CPU"] == str(use_cpu)
     assert (added["ACCELERATE_MIXED_PRECISION"], added["ACCELERATE_DYNAMO_BACKEND"]) == ("no", "NO")  # precision is the job's own (FT_PRECISION)
     assert "OMP_NUM_THREADS" not in added  # never "None" (see above)
+
+
+def _config(tmp_path, **values: str):
+    from trainer.core import config as job_config
+    from trainer.core import settings as settings_table
+
+    return job_config.build(settings_table.load({"FT_OUTPUT_DIR": str(tmp_path / "volume"), **values}), cuda=False, bf16_supported=False)
+
+
+@pytest.mark.parametrize(("values", "timeout"), [({}, 1800), ({"FT_RENDEZVOUS_TIMEOUT_SECONDS": "7200"}, 7200)])
+def test_the_nodes_wait_for_each_other_at_the_rendezvous_for_the_rendezvous_timeout(tmp_path, values, timeout):
+    """torchrun's static rendezvous gives the other nodes 600 s unless its `timeout` is set: a pod still pending or pulling its
+    image after that made the first exit 1 (tests/test_scale_out.py runs a node whose peers never come)."""
+    config = _config(tmp_path, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp", FT_NUM_NODES="2", FT_NODE_RANK="1", FT_MASTER_ADDR="10.0.0.1", **values)
+    cmd, _ = launch.torchrun_command(config)
+    assert f"--rdzv_conf=timeout={timeout}" in cmd and "--nnodes=2" in cmd and "--master_addr=10.0.0.1" in cmd, cmd
+    assert timeout >= 1800
+
+
+def test_training_processes_get_expandable_segments_and_several_nccls_warnings_and_its_dump_on_the_volume_unless_the_caller_set_them(tmp_path):
+    one = launch.runtime_environment(_config(tmp_path), {"PATH": "/bin"})
+    assert one == {"PATH": "/bin", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # one process: no NCCL
+    assert not (tmp_path / "volume" / "logs").exists()
+    several = _config(tmp_path, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp")
+    env = launch.runtime_environment(several, {})
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_DEBUG": "WARN", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "volume" / "logs" / "nccl_trace_rank_")}
+    assert (tmp_path / "volume" / "logs").is_dir()  # the flight recorder writes its files there, it creates no folder
+    own = {"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync", "NCCL_DEBUG": "INFO", "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_"}
+    assert launch.runtime_environment(several, own) == own | {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # torch reads PYTORCH_ALLOC_CONF first
+    assert launch.runtime_environment(several, {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"})["PYTORCH_CUDA_ALLOC_CONF"] == (
+        "garbage_collection_threshold:0.8")

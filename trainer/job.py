@@ -18,14 +18,14 @@ from trainer.core import devices, locations, ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
-from trainer.core.errors import Preempted
+from trainer.core.errors import Preempted, StepDownRestart
 from trainer.core.files import staged
 from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
 from trainer.data import data_report, demo
 from trainer.data import prepare as data
 from trainer.launch import launcher
-from trainer.model import attention, hub, memory, recipe, sharding, stepdown
+from trainer.model import attention, fetch, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
 from trainer.tracking import overview, packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
@@ -60,8 +60,10 @@ def run(config: Config, tracker: Tracker) -> None:
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
-    plan = stepdown.resumed(config, memory.preflight(config))  # from config.json alone: exit 2 before weights or data are downloaded
+    # From config.json alone: exit 2 before weights or data are downloaded.  Rank 0 first: it alone fetches config.json from the hub.
+    plan = stepdown.resumed(config, ranks.main_first(lambda: memory.preflight(config)))
     layout.check_resumable(manifest.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
+    fetch.model_files(settings)  # a hub model's files, downloaded by rank 0 before any other process reads them
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     job_config.check_fingerprint(config)
@@ -253,6 +255,7 @@ def main() -> int:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one progress log per job: rank 0's (errors still reach stderr)
     preemption.end_with_the_launcher()
     config = tracker = None
+    stepped_down = False
     try:
         config = job_config.handed_over()
         if ranks.world_size() == 1:  # torchrun's ranks got accelerate's environment from the launcher
@@ -261,6 +264,7 @@ def main() -> int:
         tracker = Tracker(config)
         with diskfull.reported(config.settings.output_dir, lambda: diskfull.elsewhere(Volume(config.settings.output_dir))):
             run(config, tracker)
+        ranks.end_together()  # the other ranks stay until rank 0 has saved and registered the model
         code = 0
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code
         if isinstance(error, SystemExit):
@@ -270,9 +274,18 @@ def main() -> int:
 
             traceback.print_exc()
         code = exit_code_for(error)
+        stepped_down = isinstance(error, StepDownRestart) and ranks.world_size() > 1
     if ranks.is_main() and config is not None:
         settings = config.settings
         print(summary.line(code, time.perf_counter() - STARTED, tracker, settings.output_dir, settings.max_steps), flush=True)
+    if code == 0:
+        ranks.leave()  # every collective has completed: the process group is destroyed, not left to the interpreter's exit
     sys.stdout.flush()
     record_exit(code)
+    if stepped_down:
+        # The next plan is recorded and so is this code: nothing is left to do.  The other ranks may be held in a collective
+        # and NCCL work still in flight, which the interpreter's teardown of the process group would wait for; the
+        # launcher ends them (trainer/launch/launcher.py) and starts every rank again at the recorded plan.
+        sys.stderr.flush()
+        os._exit(code)
     return code
