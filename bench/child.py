@@ -335,7 +335,7 @@ def run(args) -> dict:
     cuda = args.gpu and torch.cuda.is_available()
     if args.gpu and not cuda:
         raise SystemExit("--gpu: no CUDA device here")
-    card = float(overrides.pop("BENCH_CARD_GB", "") or overrides.get("FT_GPU_MEMORY_GB", "") or 0)
+    card = float(overrides.pop("BENCH_CARD_GB", "") or overrides.get("FT_GPU_MEMORY_GB", "") or args.card_gb)
     capped = cap_memory(card) if cuda else None
     if capped:
         print(f"bench: {name}: {capped}", flush=True)
@@ -385,7 +385,7 @@ def run(args) -> dict:
 
     net = trainer.model
     timed = timer.tokens or tokens  # the steps after the warm-up (all of them if there were no more)
-    flops_per_token = progress.flops_per_token(net.config, net.num_parameters(), tokens / (args.steps * 8))
+    flops_per_token = progress.flops_per_token(net.config, net.num_parameters(), tokens / (max(trainer.state.global_step, 1) * 8))
     result = {
         "tokens": tokens,
         "timed_tokens": timed,

@@ -10,7 +10,7 @@
 #   fulltune   the job's defaults (trainer.job.build_trainer), planned for an 80 GB H100 and capped there
 #   stepdown   planned for a 140 GB card, capped at 80 GB: runs out of memory, steps down (trainer/model/stepdown.py), finishes
 #   save       a Qwen3-1.7B-sized model (0.6B when the disk is short) saving at steps 2 and 4: the pinned DefaultStager
-#   literal    the seed notebook's SFTTrainer call, written out
+#   literal    the seed notebook's SFTTrainer call, written out (capped at 80 GB too)
 #   loop       the per-sequence SDPA loop instead of torch's varlen kernel (only with torch >= 2.13: varlen vs loop)
 #   padded     FT_PADDING_FREE=off
 #   bf16-sr    FT_PRECISION=bf16-sr
@@ -134,7 +134,7 @@ say "$(( $(left) - 15 )) s left for the variants ($((free / 1000000000)) GB free
 if [ "$(left)" -lt 90 ]; then say "too little time left for any variant"; exit 1; fi
 status=0
 timeout -k 10 $(( $(left) - 15 )) "$python" bench/run.py --gpu --rounds 1 --steps 10 --eval-steps 5 --work "$work" $NO_MLFLOW \
-  --out "" --results "$results" --run-seconds "$run_seconds" --set FT_GPU_MEMORY_GB=80 --set FT_PREFLIGHT=warn \
+  --out "" --results "$results" --run-seconds "$run_seconds" --card-gb 80 --set FT_GPU_MEMORY_GB=80 --set FT_PREFLIGHT=warn \
   --only "fulltune,stepdown,${save:+save,}literal,${varlen:+loop,}padded,bf16-sr" \
   --variant stepdown:FT_GPU_MEMORY_GB=140,BENCH_CARD_GB=80 ${save:+--variant "$save"} --variant loop:BENCH_ATTENTION=loop \
   --variant padded:FT_PADDING_FREE=off --variant bf16-sr:FT_PRECISION=bf16-sr "$@" || status=$?

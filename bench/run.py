@@ -70,6 +70,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"), help="append the results table here ('' = do not write)")
     p.add_argument("--results", default="", help="write each run's result and log here as it finishes, and RESULTS.md (the table so far) after each")
     p.add_argument("--run-seconds", type=float, default=0, help="stop a run that takes longer than this (0 = no limit)")
+    p.add_argument("--card-gb", type=float, default=0, help="GPU: hold each run's allocator to a card of this size (the literal one too; "
+                                                             "a variant's BENCH_CARD_GB or FT_GPU_MEMORY_GB first)")
     p.add_argument("--work", default="", help="folder for the model, data and outputs (default: a temporary one)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
