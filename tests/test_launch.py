@@ -170,3 +170,32 @@ def test_training_processes_get_expandable_segments_and_several_nccls_warnings_a
     assert launch.runtime_environment(several, own) == own | {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # torch reads PYTORCH_ALLOC_CONF first
     assert launch.runtime_environment(several, {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"})["PYTORCH_CUDA_ALLOC_CONF"] == (
         "garbage_collection_threshold:0.8")
+
+
+@pytest.mark.parametrize(
+    ("nodes", "codes", "plan", "ends"),
+    [
+        (1, {1: "75"}, [2, 2, 0], True),  # a step-down: a rank's 75 beside a new plan
+        (1, {1: "75"}, [4, 1, 0], False),  # 75 with the plan unchanged: a stop after its commit, the others still saving
+        (1, {1: "1"}, [2, 2, 0], False),  # 1: not the rank that ran out (it has not recorded yet)
+        (1, {0: "4"}, [4, 1, 0], True),  # out of memory at the smallest plan: the job ends with 4 whatever the others do
+        (2, {}, [2, 2, 0], True),  # another node's rank stepped down: the new plan on the shared volume is the sign
+        (2, {}, [4, 1, 0], False),
+        (1, {}, None, False),  # no record at all
+    ],
+)
+def test_the_launcher_ends_its_ranks_when_one_recorded_an_out_of_memory_step_down_and_only_then(tmp_path, nodes, codes, plan, ends):
+    """What trainer/launch/watching.py reads while the ranks run: their exit records and the plan recorded on the volume
+    (tests/test_stepdown.py runs it with a rank blocked as in an NCCL collective)."""
+    import json
+
+    from trainer.launch import watching
+
+    plans = tmp_path / "memory-plan.json"
+    watch = watching.StepDownWatch(str(plans), [4, 1, 0], nodes)
+    (tmp_path / "outcome").mkdir()
+    outcome = _recorded(tmp_path / "outcome", codes)
+    assert watch(outcome) is ("4" in codes.values())  # before any plan is recorded on the volume, only a 4 ends them
+    if plan is not None:
+        plans.write_text(json.dumps({"plan": plan}))
+    assert watch(outcome) is ends
