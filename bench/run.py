@@ -3,15 +3,16 @@
 
     .venv/bin/python bench/run.py                      # CPU: tiny Qwen3, 2 interleaved rounds, ~10 minutes on 2 cores
     .venv/bin/python bench/run.py --gpu --dry-run      # no training: Qwen3-4B memory plan on the meta device
-    bash bench/gpu_check.sh                            # GPU: random-init Qwen3-4B, ~9 minutes on an H100/H200
+    bash bench/gpu_check.sh                            # GPU: random-init Qwen3-4B, within 540 s on an H100/H200
 
 The fulltune variants are the job's own trainer: bench/child.py builds the job's `Config` from `FT_*`
 values and calls `trainer.job.build_trainer`, after the stages `job.run` runs before it.  The literal
 variant is the seed's `SFTTrainer` call, written out.  Both train the same model (same initial
 weights), on the same synthetic conversations, the same 90/10 split, the same number of optimizer
 steps and the same evaluation cadence, each in a fresh process so imports and peak memory are
-counted.  By default no checkpoint is written (the seed saves every 25 steps, after the last one;
-`--save-steps N` saves every N) and the final model is not saved.  Both log the loss at every step so
+counted.  By default no checkpoint is written (transformers would save one at the last step: the children
+switch saving off, bench/child.py `without_checkpoints`; `--save-steps N`, or a variant's `FT_SAVE_STEPS`, saves)
+and the final model is not saved.  Both log the loss at every step so
 the per-step losses can be compared (loss parity).  After training, each evaluates its final model
 with the same procedure (token-weighted NLL over the validation rows), since the trainers' own eval
 loss averages per batch and so depends on the evaluation batch size.
