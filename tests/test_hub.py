@@ -94,8 +94,8 @@ def test_model_revision_loads_that_revision_of_a_hub_model_from_the_cache(demo_a
 
 
 @pytest.mark.slow
-@pytest.mark.faults("two nodes downloading one hub model")
-@pytest.mark.parametrize("cache", ["shared", "per-node"])
+@pytest.mark.parametrize("cache", [pytest.param("shared", marks=pytest.mark.faults("two nodes downloading one hub model into one cache")),
+                                   pytest.param("per-node", marks=pytest.mark.faults("two nodes downloading one hub model, a cache each"))])
 def test_two_nodes_download_a_hub_model_once_per_cache_rank_0_first(demo_assets, tmp_path, cache):
     """FT_MODEL a hub id on two nodes, each asking its own stand-in hub (tests/hub_standin.py; node 0's answers slowly, as a
     distant hub would, so node 1 would be first to every file): with HF_HOME shared on the volume (the multi-node
