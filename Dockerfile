@@ -12,7 +12,11 @@
 # (CUDA runtime, the forward-compatibility libraries that let datacenter GPUs such as the H100 run it on
 # older drivers, and the NVIDIA container variables); the "runtime" flavour would add a second ~3 GB copy
 # of the CUDA libraries that nothing loads.
-FROM nvidia/cuda:13.0.3-base-ubuntu24.04
+# CUDA 13 needs an R580 or newer driver on the host.  For R535-R570 hosts build the CUDA 12.6 flavour, torch's
+# CUDA 12 build of 2.13 (docs/gpu-first-run.md#which-image-for-which-driver):
+#   docker build --build-arg CUDA_VERSION=12.6.3 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 -t fulltune:cu126 .
+ARG CUDA_VERSION=13.0.3
+FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04
 
 # checkov:skip=CKV_DOCKER_2: a batch job serves nothing to probe; Kubernetes, AWS Batch, SageMaker, Vertex AI and Azure ML judge it by its exit code (and Kubernetes ignores HEALTHCHECK)
 
@@ -21,11 +25,14 @@ FROM nvidia/cuda:13.0.3-base-ubuntu24.04
 # and triton compiler processes) that a Python PID 1 would leave as zombies.  It runs without -g: a
 # signal sent to the whole process group would reach the training process twice, and a second signal
 # means "give up the save" (exit 76).
+# gcc, libc6-dev and python3-dev: Triton compiles the launcher of each kernel it runs with the host's C compiler
+# against Python.h, at the first launch.  TRL's fused LM head runs Triton kernels on every CUDA forward (and
+# FT_COMPILE, FT_LIGER compile more); without them the first step fails with "Failed to find C compiler".
 # DL3008 (pin apt versions) is ignored: Ubuntu deletes superseded versions from its archive, so pins would
 # break the build within weeks; the base image's tag already pins the release.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates python3 python3-venv tini \
+    && apt-get install -y --no-install-recommends ca-certificates python3 python3-venv tini gcc libc6-dev python3-dev \
     && rm -rf /var/lib/apt/lists/*
 
 # A numeric, non-root user (Kubernetes' runAsNonRoot can only verify a numeric one); 10001 stays clear of
@@ -38,7 +45,9 @@ RUN groupadd --gid 10001 fulltune \
 
 # The root filesystem may be read-only (Kubernetes readOnlyRootFilesystem, `docker run --read-only`):
 # every cache goes to /tmp (a tmpfs or emptyDir) or to the output volume.  The Hugging Face cache sits on
-# the volume so a retried job does not download the 8 GB of weights again.
+# the volume so a retried job does not download the 8 GB of weights again.  The CUDA allocator grows its
+# segments in place: padding-free passes change size every step, the caching allocator's worst case (the
+# launcher sets the same for a training process started outside the image).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -48,18 +57,23 @@ ENV PATH=/opt/venv/bin:$PATH \
     TRITON_CACHE_DIR=/tmp/.cache/triton \
     TORCHINDUCTOR_CACHE_DIR=/tmp/.cache/torchinductor \
     CUDA_CACHE_PATH=/tmp/.cache/nv \
-    MPLCONFIGDIR=/tmp/.cache/matplotlib
+    MPLCONFIGDIR=/tmp/.cache/matplotlib \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 # Kept equal to requirements.txt's pin by a test; its own layer so that other pins can change without
-# reinstalling torch.  Another CUDA build: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# reinstalling torch.  Another CUDA build: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+# with the base image of that CUDA (CUDA_VERSION above); the build fails when torch's CUDA is not the base's.
 # Unset, pip uses its configured index (PyPI, or the mirror in the base image's pip.conf / PIP_INDEX_URL).
 # DL3013 is ignored here only: hadolint takes the optional `${TORCH_INDEX_URL:+--index-url ...}` for an
 # unpinned package; torch is pinned.
+ARG CUDA_VERSION
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION" \
-    && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'torch is a CPU build')"
+    && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'torch is a CPU build')" \
+    && python -c "import torch, sys; base = '$CUDA_VERSION'.rsplit('.', 1)[0]; sys.exit(0 if torch.version.cuda == base else \
+f'torch {torch.__version__} is built for CUDA {torch.version.cuda}, the base image is CUDA {base}: set TORCH_INDEX_URL to its cu index')"
 
 COPY requirements.txt /app/requirements.txt
 RUN pip install --no-cache-dir -r /app/requirements.txt \

@@ -18,21 +18,51 @@ import statistics
 import time
 from typing import Any
 
+WARMUP_STEPS = 2  # left out of tokens/s and MFU: Triton's JIT of TRL's kernels, cuBLAS and FlashAttention's first launches, AdamW's state
 
-def _timer(t0: float):
+
+def _timer(t0: float, cuda: bool = False, warmup: int = WARMUP_STEPS):
+    """Times the optimizer steps after the first `warmup` (at least one is kept), and their tokens; on a GPU it waits for
+    the device at each step boundary, so a step's host time is its device time (the benchmark only: the job never
+    syncs here).  It also reads the device's own memory use at each step end (`mem_get_info`: the context and what
+    the caching allocator holds)."""
     from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
         def __init__(self):
-            self.train_s, self.first_step_s, self.started = 0.0, None, None
+            self.restart(None)
+            self.first_step_s = None
+
+        def restart(self, trainer) -> None:
+            """A new trainer (the first, or the next one down after an out-of-memory error): count its steps only."""
+            self.trainer, self.steps, self.train_s, self.tokens, self.started, self.before = trainer, 0, 0.0, 0.0, None, 0.0
+            self.device_used = 0.0
+
+        def _sync(self) -> None:
+            if cuda:
+                import torch
+
+                torch.cuda.synchronize()
 
         def on_step_begin(self, args, state, control, **kwargs):
+            self._sync()
             self.started = time.perf_counter()
+            self.before = float(getattr(self.trainer, "_total_train_tokens", 0))
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.train_s += time.perf_counter() - self.started
+            self._sync()
+            took = time.perf_counter() - self.started
+            self.steps += 1
+            if self.steps > warmup or (state.global_step >= state.max_steps and not self.train_s):
+                self.train_s += took
+                self.tokens += float(getattr(self.trainer, "_total_train_tokens", 0)) - self.before
             if self.first_step_s is None:
                 self.first_step_s = time.time() - t0
+            if cuda:
+                import torch
+
+                free, total = torch.cuda.mem_get_info()
+                self.device_used = max(self.device_used, float(total - free))
 
     return Timer()
 
@@ -57,8 +87,18 @@ def _splits(work: str):
 
 
 def save_steps(args) -> int:
-    """`--save-steps`, or after the last step (the seed's 25 with 20 steps: no checkpoint is written)."""
+    """`--save-steps`, or after the last step (the seed's 25 with 20 steps)."""
     return args.save_steps or args.eval_steps * (args.steps // args.eval_steps + 1)
+
+
+def without_checkpoints(trainer: Any, args) -> None:
+    """Unless `--save-steps` or the variant asks for them (the `save` variant), write no checkpoint: transformers saves at
+    the last step whatever `save_steps` says (DefaultFlowCallback), and a Qwen3-4B checkpoint is 48 GB (two do not fit
+    the GPU machine's disk) and a minute of writing that is not what the variants compare."""
+    from transformers.trainer_utils import SaveStrategy
+
+    if not args.save_steps and not getattr(args, "keep_saving", False):
+        trainer.args.save_strategy = SaveStrategy.NO  # read at each step end; with no checkpoint, the best-model load is skipped
 
 
 def run_dir(args, work: str, name: str) -> str:
@@ -112,6 +152,8 @@ def literal(args, work: str, cuda: bool, timer) -> Any:
         model=model, args=training_args, train_dataset=dataset["train"], eval_dataset=dataset["test"], processing_class=tokenizer, callbacks=[timer]
     )
     trainer.bench_layout = "1x8, every layer, off"
+    without_checkpoints(trainer, args)
+    timer.restart(trainer)
     return trainer
 
 
@@ -143,7 +185,7 @@ def fulltune_config(args, work: str, name: str, overrides: dict[str, str], cuda:
     return job_config.build(settings, cuda=cuda, bf16_supported=cuda and torch.cuda.is_bf16_supported())
 
 
-def fulltune(config: Any, timer: Any = None, tracker: Any = None, plan: Any = None, callbacks: tuple = ()) -> Any:
+def fulltune(config: Any, timer: Any = None, tracker: Any = None, plan: Any = None, callbacks: tuple = (), args: Any = None) -> Any:
     """The job's trainer: the stages trainer/job.py runs before training, then `job.build_trainer` itself
     (`tracker`: the job's MLflow run, none with --no-mlflow; `plan`: the memory plan to train with, as the job's
     step-down passes it; default the preflight's)."""
@@ -164,10 +206,14 @@ def fulltune(config: Any, timer: Any = None, tracker: Any = None, plan: Any = No
     layout = f"{plan.sequences_per_pass}x{plan.passes_per_step}, {memory.checkpointing_label(plan.checkpoint_every, plan.layers)}"
     trainer.bench_layout = f"{layout}, {'on' if recipe.padding_free(settings, config.cuda) else 'off'}"
     trainer.bench_plan_gb = plan.peak / 1e9
+    if args is not None:
+        without_checkpoints(trainer, args)
+    if timer is not None:
+        timer.restart(trainer)
     return trainer
 
 
-def fulltune_stepping_down(config: Any, timer: Any, tracker: Any = None) -> tuple[Any, int, float]:
+def fulltune_stepping_down(config: Any, timer: Any, tracker: Any = None, args: Any = None) -> tuple[Any, int, float]:
     """Train the fulltune variant as job.train does: out of memory, the next plan down (trainer/model/stepdown.py);
     returns the trainer that finished, how many times it stepped down, and the seconds its `train()` took."""
     from trainer.model import memory, stepdown
@@ -176,7 +222,7 @@ def fulltune_stepping_down(config: Any, timer: Any, tracker: Any = None) -> tupl
     took = []
 
     def attempt(plan: Any, watch: Any) -> Any:
-        trainer = fulltune(config, timer, tracker, plan=plan, callbacks=(watch,))
+        trainer = fulltune(config, timer, tracker, plan=plan, callbacks=(watch,), args=args)
         started = time.perf_counter()
         trainer.train()
         took.append(time.perf_counter() - started)
@@ -236,6 +282,44 @@ def gemm(seconds: float = 3.0, sizes: tuple[int, ...] = (1024, 2048)) -> dict:
             "threads": torch.get_num_threads()}
 
 
+def model_for(work: str, name: str) -> str:
+    """The model folder for `BENCH_MODEL=<name>` (a config of bench/configs/): the benchmark's tokenizer with that config,
+    its weights built at random on the GPU as for the 4B."""
+    folder = os.path.join(work, f"model-{name}")
+    if not os.path.isdir(folder):
+        import shutil
+
+        shutil.copytree(os.path.join(work, "model"), folder + ".partial", dirs_exist_ok=True)
+        shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", name, "config.json"), os.path.join(folder + ".partial", "config.json"))
+        os.replace(folder + ".partial", folder)
+    return folder
+
+
+def cap_memory(card_gb: float) -> str | None:
+    """Let this process's caching allocator hold at most `card_gb` GB (a card smaller than the one at hand: an 80 GB H100
+    on an H200), so a plan meets the card it was made for and an out-of-memory error is CUDA's own, raised where that
+    card would raise it.  The CUDA context and NCCL's buffers are outside the allocator: they are not capped."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    if not card_gb or card_gb * 1e9 >= total:
+        return None
+    torch.cuda.set_per_process_memory_fraction(card_gb * 1e9 / total)
+    return f"the allocator capped at {card_gb:g} GB of the device's {total / 1e9:.1f} GB"
+
+
+def _saves(trainer: Any) -> dict:
+    """What the checkpoints cost (the job's own accounting, trainer/checkpointing/saving.py), when any was written."""
+    from trainer.checkpointing.commits import CommitCheckpoints
+
+    saver = next((c for c in trainer.callback_handler.callbacks if isinstance(c, CommitCheckpoints)), None)
+    if saver is None or not saver.costs.blocked:
+        return {}
+    costs = saver.costs
+    return {"saves": len(costs.blocked), "save_first_blocked_s": costs.blocked[0], "save_blocked_s": costs.blocked[-1],
+            "save_background_s": max(costs.background, default=0.0), "checkpoint_gb": costs.bytes / 1e9}
+
+
 def run(args) -> dict:
     import contextlib
 
@@ -251,7 +335,14 @@ def run(args) -> dict:
     cuda = args.gpu and torch.cuda.is_available()
     if args.gpu and not cuda:
         raise SystemExit("--gpu: no CUDA device here")
-    timer = _timer(args.t0)
+    card = float(overrides.pop("BENCH_CARD_GB", "") or overrides.get("FT_GPU_MEMORY_GB", "") or args.card_gb)
+    capped = cap_memory(card) if cuda else None
+    if capped:
+        print(f"bench: {name}: {capped}", flush=True)
+    args.keep_saving = "FT_SAVE_STEPS" in overrides  # the save variant's checkpoints
+    if model := overrides.pop("BENCH_MODEL", ""):
+        overrides["FT_MODEL"] = model_for(work, model) if cuda else os.path.join(work, "model")  # on CPU the tiny model
+    timer = _timer(args.t0, cuda)
     context: Any = contextlib.nullcontext()
     if name == "literal":
         trainer = literal(args, work, cuda, timer)
@@ -284,7 +375,7 @@ def run(args) -> dict:
         stepdowns = 0
     else:
         with context:
-            trainer, stepdowns, in_train = fulltune_stepping_down(config, timer, tracker)
+            trainer, stepdowns, in_train = fulltune_stepping_down(config, timer, tracker, args)
     tokens = float(trainer._total_train_tokens)
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e]
@@ -293,25 +384,33 @@ def run(args) -> dict:
     from trainer.tracking import progress
 
     net = trainer.model
-    flops_per_token = progress.flops_per_token(net.config, net.num_parameters(), tokens / (args.steps * 8))
+    timed = timer.tokens or tokens  # the steps after the warm-up (all of them if there were no more)
+    flops_per_token = progress.flops_per_token(net.config, net.num_parameters(), tokens / (max(trainer.state.global_step, 1) * 8))
     result = {
         "tokens": tokens,
+        "timed_tokens": timed,
         "train_s": timer.train_s,
-        "tokens_per_s": tokens / timer.train_s,
+        "tokens_per_s": timed / timer.train_s,
         "first_step_s": timer.first_step_s,
         "eval_s": in_train - timer.train_s,
         "peak_gb": peak,
         "flops_per_token": flops_per_token,
-        "model_flops": tokens / timer.train_s * flops_per_token,  # model FLOP/s inside optimizer steps (recomputation not counted)
+        "model_flops": timed / timer.train_s * flops_per_token,  # model FLOP/s inside the timed optimizer steps (recomputation not counted)
         "losses": losses,
         "trainer_eval_loss": evals[-1] if evals else None,
         "layout": trainer.bench_layout,
         "attention": _attention(trainer),
         "stepdowns": stepdowns,
         **({"plan_gb": trainer.bench_plan_gb} if hasattr(trainer, "bench_plan_gb") else {}),
+        **({"capped_gb": card} if capped else {}),
+        **_saves(trainer),
         "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(0) if cuda else "",
+        "torch": torch.__version__,
     }
     if cuda:
+        result["reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+        result["device_used_gb"] = timer.device_used / 1e9  # total - free at the step ends: with the context and NCCL's buffers
         result["mfu"] = result["model_flops"] / (progress.peak_flops(torch.cuda.get_device_name(0)) or math.inf)
     result["eval_loss"] = eval_loss(trainer.model, trainer.processing_class, work, args.max_length, cuda)
     result["load_avg"] = [load_before, os.getloadavg()[0]]

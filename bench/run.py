@@ -3,15 +3,16 @@
 
     .venv/bin/python bench/run.py                      # CPU: tiny Qwen3, 2 interleaved rounds, ~10 minutes on 2 cores
     .venv/bin/python bench/run.py --gpu --dry-run      # no training: Qwen3-4B memory plan on the meta device
-    bash bench/gpu_check.sh                            # GPU: random-init Qwen3-4B, ~9 minutes on an H100/H200
+    bash bench/gpu_check.sh                            # GPU: random-init Qwen3-4B, within 540 s on an H100/H200
 
 The fulltune variants are the job's own trainer: bench/child.py builds the job's `Config` from `FT_*`
 values and calls `trainer.job.build_trainer`, after the stages `job.run` runs before it.  The literal
 variant is the seed's `SFTTrainer` call, written out.  Both train the same model (same initial
 weights), on the same synthetic conversations, the same 90/10 split, the same number of optimizer
 steps and the same evaluation cadence, each in a fresh process so imports and peak memory are
-counted.  By default no checkpoint is written (the seed saves every 25 steps, after the last one;
-`--save-steps N` saves every N) and the final model is not saved.  Both log the loss at every step so
+counted.  By default no checkpoint is written (transformers would save one at the last step: the children
+switch saving off, bench/child.py `without_checkpoints`; `--save-steps N`, or a variant's `FT_SAVE_STEPS`, saves)
+and the final model is not saved.  Both log the loss at every step so
 the per-step losses can be compared (loss parity).  After training, each evaluates its final model
 with the same procedure (token-weighted NLL over the validation rows), since the trainers' own eval
 loss averages per batch and so depends on the evaluation batch size.
@@ -46,6 +47,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+import child  # noqa: E402 - its imports are light; torch and the job load in the child process only
 import synthetic  # noqa: E402
 
 
@@ -65,8 +67,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-mlflow", action="store_true", help="neither variant reports to MLflow (for machines without it)")
     p.add_argument("--set", action="append", default=[], metavar="FT_NAME=value", help="a setting for the fulltune variant")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:FT_A=1,FT_B=2", help="another fulltune variant")
-    p.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
+    p.add_argument("--only", default="", help="comma-separated variant names to run, in this order (default: all, in the order defined)")
     p.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"), help="append the results table here ('' = do not write)")
+    p.add_argument("--results", default="", help="write each run's result and log here as it finishes, and RESULTS.md (the table so far) after each")
+    p.add_argument("--run-seconds", type=float, default=0, help="stop a run that takes longer than this (0 = no limit)")
+    p.add_argument("--card-gb", type=float, default=0, help="GPU: hold each run's allocator to a card of this size (the literal one too; "
+                                                             "a variant's BENCH_CARD_GB or FT_GPU_MEMORY_GB first)")
     p.add_argument("--work", default="", help="folder for the model, data and outputs (default: a temporary one)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
@@ -85,16 +91,14 @@ def variants(args: argparse.Namespace) -> dict[str, dict[str, str]]:
     for spec in args.variant:
         name, _, pairs = spec.partition(":")
         found[name] = {**found["fulltune"], **dict(p.split("=", 1) for p in pairs.split(",") if p)}
-    if args.only:
-        found = {k: v for k, v in found.items() if k in args.only.split(",")}
+    if args.only:  # in the order given: the first ones run first
+        found = {k: found[k] for k in args.only.split(",") if k in found}
     return found
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.child:
-        import child
-
         result = child.run(args)
         print("BENCH-RESULT " + json.dumps(result), flush=True)
         return 0
@@ -104,14 +108,14 @@ def main(argv: list[str]) -> int:
     )
     print(f"bench: data {stats}", flush=True)
     if args.dry_run:
-        import child
-
         child.dry_run(args, work)
         return 0
     chosen = variants(args)
     results: dict[str, list[dict]] = {name: [] for name in chosen}
     gemms: list[dict] = []
     running, stopped = [], []
+    if args.results:
+        os.makedirs(args.results, exist_ok=True)
 
     def stop(signum, frame):  # `timeout` in gpu_check.sh: stop the run in progress, keep the finished ones
         stopped.append(signum)
@@ -123,27 +127,48 @@ def main(argv: list[str]) -> int:
                "--overrides", json.dumps(overrides), "--t0", str(time.time()), "--round", str(round_)]
         started = time.perf_counter()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        running[:] = [proc]
-        loads = [os.getloadavg()[0]]
-        while True:  # the 1-minute load average every 5 s while the run lasts: its start and end miss the spikes
-            try:
-                stdout, stderr = proc.communicate(timeout=5)
-                break
-            except subprocess.TimeoutExpired:
-                loads.append(os.getloadavg()[0])
+        log = os.path.join(args.results or work, f"{name}-r{round_}.log")
+        with open(log, "w") as out:  # written as the run goes: a run cut short still leaves its log
+            # Its own process group (outside `timeout`'s, which would signal it directly), in this session (a machine's cleanup ends it).
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, process_group=0)
+            running[:] = [proc]
+            loads, over = [os.getloadavg()[0]], False
+            while True:  # the 1-minute load average every 5 s while the run lasts: its start and end miss the spikes
+                try:
+                    proc.wait(timeout=5)
+                    break
+                except subprocess.TimeoutExpired:
+                    loads.append(os.getloadavg()[0])
+                if args.run_seconds and time.perf_counter() - started > args.run_seconds and not over:
+                    over = True
+                    proc.terminate()
+                if stopped or over:
+                    _end(proc)
+        running[:] = []
         wall = time.perf_counter() - started
-        lines = [line for line in stdout.splitlines() if line.startswith("BENCH-RESULT ")]
-        log = os.path.join(work, f"{name}-r{round_}.log")
-        with open(log, "w") as f:
-            f.write(stdout + stderr)
+        with open(log, encoding="utf-8", errors="replace") as f:
+            output = f.read()
+        lines = [line for line in output.splitlines() if line.startswith("BENCH-RESULT ")]
         if proc.returncode or not lines:
-            why = "stopped: out of time" if stopped else f"failed (exit {proc.returncode})"
-            print(f"bench: round {round_} {name} {why}; log: {log}\n{(stdout + stderr)[-3000:]}", flush=True)
-            return {"failed": proc.returncode, "stopped": bool(stopped), "round": round_}
-        result = json.loads(lines[-1].removeprefix("BENCH-RESULT ")) | {"wall_s": wall, "overrides": overrides, "round": round_, "load_max": max(loads)}
-        print(f"bench: round {round_} {name}: {json.dumps({k: v for k, v in result.items() if k != 'losses'})}", flush=True)
+            why = f"stopped: over its {args.run_seconds:g} s" if over else "stopped: out of time" if stopped else f"failed (exit {proc.returncode})"
+            print(f"bench: round {round_} {name} {why}; log: {log}\n{output[-3000:]}", flush=True)
+            result = {"failed": proc.returncode, "stopped": bool(stopped or over), "round": round_, "wall_s": wall}
+        else:
+            result = json.loads(lines[-1].removeprefix("BENCH-RESULT ")) | {"wall_s": wall, "overrides": overrides, "round": round_, "load_max": max(loads)}
+            print(f"bench: round {round_} {name}: {json.dumps({k: v for k, v in result.items() if k != 'losses'})}", flush=True)
+        if args.results:
+            with open(os.path.join(args.results, f"{name}-r{round_}.json"), "w") as f:
+                json.dump(result, f)
         return result
+
+    def tabulate() -> str:
+        with open(os.path.join(work, "results.json"), "w") as f:  # to render the table again: table(args, argv, stats, results, gemms)
+            json.dump({"argv": argv, "stats": stats, "results": results, "gemms": gemms}, f)
+        report = table(args, argv, stats, results, gemms, stopped=bool(stopped))
+        if args.results:
+            with open(os.path.join(args.results, "RESULTS.md"), "w", encoding="utf-8") as f:
+                f.write(report)
+        return report
 
     signal.signal(signal.SIGTERM, stop)
     for round_ in range(1, args.rounds + 1):
@@ -155,19 +180,28 @@ def main(argv: list[str]) -> int:
             if stopped:
                 break
             results[name].append(one(name, round_, overrides))
-    with open(os.path.join(work, "results.json"), "w") as f:  # to render the table again: table(args, argv, stats, results, gemms)
-        json.dump({"argv": argv, "stats": stats, "results": results, "gemms": gemms}, f)
-    report = table(args, argv, stats, results, gemms)
+            tabulate()
+    report = tabulate()
     print(report, flush=True)
     if args.out:
         with open(args.out, "a", encoding="utf-8") as f:
             f.write("\n" + report)
-    return 0 if all("failed" not in r for runs in results.values() for r in runs) else 1
+    return 0 if all("failed" not in r for runs in results.values() for r in runs) and not stopped else 1
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """The run in progress, stopped: SIGTERM was sent; what is still there 5 s later is killed (a child waiting on the
+    GPU may not answer it), with everything it started."""
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 ROWS = [  # label, key, format, "min" (lower is better: min / median) or "max" (a rate: max / median)
     ("end-to-end wall (s)", "wall_s", "{:.1f}", "min"),
-    ("training tokens/s (real tokens)", "tokens_per_s", "{:.0f}", "max"),
+    (f"training tokens/s (real tokens, after the first {child.WARMUP_STEPS} steps)", "tokens_per_s", "{:.0f}", "max"),
     ("model GFLOP/s in optimizer steps", "model_gflops", "{:.1f}", "max"),
     ("CPU MFU (model FLOP/s / measured fp32 GEMM peak)", "cpu_mfu", "{:.1%}", "max"),
     ("MFU (GPU, dense bf16 datasheet peak)", "mfu", "{:.3f}", "max"),
@@ -175,8 +209,16 @@ ROWS = [  # label, key, format, "min" (lower is better: min / median) or "max" (
     ("time in optimizer steps (s)", "train_s", "{:.1f}", "min"),
     ("time in evaluations, saves, best-model load (s)", "eval_s", "{:.1f}", "min"),
     ("peak memory (GB)", "peak_gb", "{:.2f}", "min"),
+    ("peak memory reserved by the allocator (GB)", "reserved_gb", "{:.2f}", "min"),
+    ("device memory in use at step ends, context included (GB, total - free)", "device_used_gb", "{:.2f}", "min"),
     ("peak memory planned (GB, the plan that trained)", "plan_gb", "{:.2f}", "min"),
+    ("allocator capped at (GB, the card planned for)", "capped_gb", "{:.0f}", "min"),
     ("out-of-memory step-downs before it trained", "stepdowns", "{:.0f}", "min"),
+    ("checkpoints written", "saves", "{:.0f}", "min"),
+    ("checkpoint size (GB)", "checkpoint_gb", "{:.1f}", "min"),
+    ("training blocked by the first checkpoint (s: pinning the staging buffers, then the copy)", "save_first_blocked_s", "{:.1f}", "min"),
+    ("training blocked by the last checkpoint (s: the copy to the pinned buffers)", "save_blocked_s", "{:.1f}", "min"),
+    ("longest checkpoint write and commit in the background (s)", "save_background_s", "{:.1f}", "min"),
     ("final eval loss (same procedure)", "eval_loss", "{:.4f}", "min"),
     ("trainer's last eval_loss", "trainer_eval_loss", "{:.4f}", "min"),
 ]
@@ -207,13 +249,32 @@ def paired(results: dict[str, list[dict]], name: str, base: str, key: str) -> li
     return out
 
 
-def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[str, list[dict]], gemms: list[dict]) -> str:
-    import torch
-    import transformers
-    import trl
+def status_of(runs: list[dict], stopped: bool) -> str:
+    """How a variant's runs went, in a word or two: finished, failed, stopped (time), not run (time)."""
+    if not runs:
+        return "not run (time)" if stopped else "-"
+    done = sum("failed" not in r for r in runs)
+    if done == len(runs):
+        return "finished"
+    if any(r.get("stopped") for r in runs):
+        return "stopped (time)" if not done else f"{done} finished, then stopped (time)"
+    return "failed" if not done else f"{done} finished, {len(runs) - done} failed"
 
+
+def _version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[str, list[dict]], gemms: list[dict], stopped: bool = False) -> str:
+    """The results as a markdown table.  Imports nothing heavy (the versions come from the installed metadata, the device
+    from the runs): it is written after every run and once more when `timeout` stops the benchmark, within seconds."""
     cpu = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    device = torch.cuda.get_device_name(0) if args.gpu and torch.cuda.is_available() else cpu
+    device = next((r["device"] for runs in results.values() for r in runs if r.get("device")), "") or (cpu if not args.gpu else "GPU (no run finished)")
     peak = max((g["peak_flops"] for g in gemms), default=None)
     for runs in results.values():
         for r in runs:
@@ -227,14 +288,15 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[
     # a ratio only from interleaved runs: both variants finished in at least 2 of the same rounds
     compared = [n for n in names if n != "literal" and "literal" in names and len(paired(results, n, "literal", "wall_s")) >= 2]
     threads = sorted({r.get("threads") for runs in ok.values() for r in runs if r.get("threads")})
+    saves = f"checkpoint every {args.save_steps}" if args.save_steps else "no checkpoint but in a variant that sets FT_SAVE_STEPS"
     order = " | ".join(" ".join(n for n in names if any(r["round"] == i for r in results[n])) for i in range(1, args.rounds + 1))
     out = [
         f"### {time.strftime('%Y-%m-%d %H:%M')} — {device}",
         "",
         f"`{shlex.join(['python', 'bench/run.py', *argv])}`  ",
-        f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, python {platform.python_version()}, "
+        f"torch {_version('torch')}, transformers {_version('transformers')}, trl {_version('trl')}, python {platform.python_version()}, "
         f"torch threads {'/'.join(map(str, threads)) or '-'}  ",
-        f"{args.steps} steps, eval every {args.eval_steps}, checkpoint every {args.save_steps or '- (none written)'}, max length {args.max_length}, "
+        f"{args.steps} steps, eval every {args.eval_steps}, {saves}, max length {args.max_length}, "
         f"data: {stats}  ",
         f"{args.rounds} round(s), interleaved, each run a fresh process: {order}" + ("  " if gemms else ""),
     ]
@@ -248,13 +310,15 @@ def table(args: argparse.Namespace, argv: list[str], stats: dict, results: dict[
     header = "| | " + " | ".join(f"{n} ({'min' if len(ok[n]) > 1 else 'one run'}{' / median' if len(ok[n]) > 1 else ''})" for n in names)
     header += "".join(f" | {n} / literal: of the mins · of the medians · per round" for n in compared) + " |"
     out += ["", header, "|---" * (1 + len(names) + len(compared)) + "|"]
+    status = [status_of(results[n], stopped) for n in names]
+    out.append("| run | " + " | ".join(status + [""] * len(compared)) + " |")
     for label, key, fmt, best in ROWS:
         if not any(key in r for runs in ok.values() for r in runs):
             continue
         cells = []
-        for n in names:
+        for n, state in zip(names, status, strict=True):
             if not ok[n]:
-                cells.append("stopped (time)" if any(r.get("stopped") for r in results[n]) else "failed")
+                cells.append(state)
             else:
                 cells.append(summary([r[key] for r in ok[n] if isinstance(r.get(key), float | int)], fmt, best))
         for n in compared:

@@ -281,11 +281,39 @@ def test_an_output_folder_the_images_user_cannot_write_exits_2_in_seconds_naming
 SEARCH = "/opt/venv/bin:/usr/local/nvidia/bin:/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def test_the_image_has_no_compiler_or_build_tool_and_pip_check_is_clean():
-    tools = "gcc cc c++ g++ clang make cmake"
+def test_the_image_has_no_build_tool_beyond_the_c_compiler_triton_needs_and_pip_check_is_clean():
+    tools = "c++ g++ clang make cmake"
     script = f"PATH={SEARCH}; for tool in {tools}; do command -v $tool; done; pip check"
     result = containers.engine("run", "--rm", "--network", "none", "--read-only", "--entrypoint", "sh", containers.IMAGE, "-c", script)
     assert result.stdout.splitlines() == ["No broken requirements found."], result.stdout + result.stderr
+
+
+# What Triton does at a kernel's first launch (triton/runtime/build.py): find gcc (or $CC), compile a C file that includes
+# Python.h into an extension module in its cache folder on /tmp, and import it.
+PYTHON_EXTENSION = r"""
+#include <Python.h>
+static PyObject *answer(PyObject *self, PyObject *args) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "probe", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_probe(void) { return PyModule_Create(&module); }
+"""
+COMPILE_AND_IMPORT = """set -e
+cd "$TRITON_CACHE_DIR" 2>/dev/null || { mkdir -p "$TRITON_CACHE_DIR" && cd "$TRITON_CACHE_DIR"; }
+printf '%s' "$SOURCE" > probe.c
+include=$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+suffix=$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+gcc probe.c -O3 -shared -fPIC -I"$include" -o "probe$suffix"
+cc --version | head -1 >&2
+python -c 'import probe; print(probe.answer())'
+"""
+
+
+def test_the_image_compiles_and_imports_a_python_extension_as_triton_does_at_its_first_kernel():
+    """Without gcc and Python.h the first CUDA training step fails ("Failed to find C compiler"): TRL's fused LM head runs
+    Triton kernels on every forward.  As the container runs: read-only root, /tmp a tmpfs, the image's own user."""
+    result = containers.engine("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp:exec", "-e", f"SOURCE={PYTHON_EXTENSION}",
+                               "--entrypoint", "sh", containers.IMAGE, "-c", COMPILE_AND_IMPORT)
+    assert (result.returncode, result.stdout.strip()) == (0, "42"), result.stdout + result.stderr
 
 
 def from_human(size: str) -> float:

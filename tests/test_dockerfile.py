@@ -3,7 +3,9 @@
 import ast
 import fnmatch
 import re
+import shlex
 import subprocess
+import sys
 
 from deploy_files import REPO, dockerfile, entrypoint, image_env, tool
 
@@ -13,12 +15,56 @@ def test_hadolint_reports_nothing():
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
+def _base_image(build_args: dict[str, str] | None = None) -> str:
+    """The FROM line's image, with the build arguments declared before it (their defaults, or `build_args`)."""
+    instructions = dockerfile()
+    (index,) = [i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM"]
+    values = {name: default for name, default in _build_args(instructions[:index]).items() if default is not None} | (build_args or {})
+    return re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], instructions[index][1])
+
+
 def test_base_image_is_an_nvidia_cuda_image_pinned_to_a_release():
-    froms = [arguments for keyword, arguments in dockerfile() if keyword == "FROM"]
-    assert len(froms) == 1
-    image, _, tag = froms[0].partition(":")
+    image, _, tag = _base_image().partition(":")
     assert image == "nvidia/cuda"
     assert re.fullmatch(r"\d+\.\d+\.\d+-(base|runtime)-ubuntu\d+\.\d+", tag), tag  # a full CUDA version, not "latest"
+    assert tag == "13.0.3-base-ubuntu24.04"  # torch 2.13.0's PyPI wheel is the CUDA 13.0 build (cuda-toolkit==13.0.3)
+
+
+def _documented_builds() -> list[list[str]]:
+    """Every `docker build` command docs/gpu-first-run.md shows with a --build-arg."""
+    page = (REPO / "docs" / "gpu-first-run.md").read_text()
+    return [shlex.split(line.strip()) for line in page.splitlines() if line.strip().startswith("docker build") and "--build-arg" in line]
+
+
+def _check_torch_agrees(tmp_path, cuda_version: str, torch_cuda: str) -> subprocess.CompletedProcess:
+    """The torch layer's check that torch's CUDA is the base image's, run by sh with a stand-in torch of that CUDA."""
+    fake = tmp_path / f"torch-{torch_cuda}" / "torch"
+    fake.mkdir(parents=True, exist_ok=True)
+    (fake / "__init__.py").write_text(f"__version__ = '2.13.0'\nclass version:\n    cuda = {torch_cuda!r}\n")
+    (line,) = [part.strip() for keyword, arguments in dockerfile() if keyword == "RUN" for part in arguments.split("&&") if "the base image is CUDA" in part]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(fake.parent), "CUDA_VERSION": cuda_version}
+    return subprocess.run(["sh", "-c", line.replace("python -c", f"{shlex.quote(sys.executable)} -c", 1)], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_documented_cuda_12_build_is_what_the_dockerfile_reads_and_a_mismatched_pair_fails_the_build(tmp_path):
+    """R535-R570 drivers cannot run CUDA 13 without forward compatibility: the page names a CUDA 12 build, whose build
+    arguments must be ARGs of the Dockerfile, a base image tag of the same form, and a torch index of the same CUDA."""
+    builds = _documented_builds()
+    assert builds, "docs/gpu-first-run.md shows no docker build with --build-arg"
+    declared = _build_args(dockerfile())
+    for command in builds:
+        args = dict(command[i + 1].split("=", 1) for i, word in enumerate(command) if word == "--build-arg")
+        assert set(args) <= set(declared), f"{sorted(set(args) - set(declared))} are not ARGs of the Dockerfile"
+        base = _base_image(args)
+        assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-base-ubuntu24\.04", base), base
+        major_minor = args["CUDA_VERSION"].rsplit(".", 1)[0]
+        assert args["TORCH_INDEX_URL"] == f"https://download.pytorch.org/whl/cu{major_minor.replace('.', '')}"
+        assert "--index-url" in _torch_pip_arguments(tmp_path / major_minor, {"TORCH_INDEX_URL": args["TORCH_INDEX_URL"]})
+        assert _check_torch_agrees(tmp_path, args["CUDA_VERSION"], major_minor).returncode == 0
+        mismatched = _check_torch_agrees(tmp_path, args["CUDA_VERSION"], "13.0")  # the base changed, TORCH_INDEX_URL forgotten
+        assert mismatched.returncode == 1 and f"is built for CUDA 13.0, the base image is CUDA {major_minor}" in mismatched.stderr, mismatched.stderr
+    assert _check_torch_agrees(tmp_path, "13.0.3", "13.0").returncode == 0  # the default pair
+    assert " ".join(builds[0]) in " ".join(" ".join(line.split()) for line in (REPO / "Dockerfile").read_text().splitlines())  # the Dockerfile says it too
 
 
 def _pins() -> dict[str, str]:
@@ -69,8 +115,8 @@ def _torch_pip_arguments(tmp_path, build_args: dict[str, str]) -> list[str]:
 def test_torch_comes_from_pips_configured_index_unless_torch_index_url_is_given(tmp_path):
     # A mirror or proxy set in pip.conf or PIP_INDEX_URL must apply: no index host is named by default.
     assert _torch_pip_arguments(tmp_path / "default", {}) == ["install", "--no-cache-dir", f"torch=={_pins()['torch']}"]
-    url = "https://download.pytorch.org/whl/cu128"
-    assert _torch_pip_arguments(tmp_path / "cu128", {"TORCH_INDEX_URL": url}) == ["install", "--no-cache-dir", "--index-url", url, f"torch=={_pins()['torch']}"]
+    url = "https://download.pytorch.org/whl/cu126"
+    assert _torch_pip_arguments(tmp_path / "cu126", {"TORCH_INDEX_URL": url}) == ["install", "--no-cache-dir", "--index-url", url, f"torch=={_pins()['torch']}"]
 
 
 def test_layers_go_from_system_packages_to_torch_to_requirements_to_code():
@@ -156,3 +202,15 @@ def test_every_cache_is_on_tmp_or_the_output_volume_for_a_read_only_root():
         assert env[name].split("/")[1] in ("tmp", "output"), f"{name}={env[name]} is on the read-only root"
     assert env["PYTHONDONTWRITEBYTECODE"] == "1"
     assert env["PATH"].startswith("/opt/venv/bin:")
+
+
+def test_the_cuda_allocator_grows_its_segments_in_place_in_the_image():
+    """Padding-free passes change size every step: with fixed segments reserved minus allocated grows (docs/memory-plan.md)."""
+    assert image_env(dockerfile())["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_the_image_installs_a_c_compiler_and_pythons_headers_for_tritons_jit_without_recommends():
+    (install,) = [part.strip() for keyword, arguments in dockerfile() if keyword == "RUN" for part in arguments.split("&&") if "apt-get install" in part]
+    packages = install.split()
+    assert "--no-install-recommends" in packages
+    assert {"gcc", "libc6-dev", "python3-dev"} <= set(packages), packages  # tests/test_container.py compiles against Python.h in the image

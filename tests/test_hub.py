@@ -91,3 +91,34 @@ def test_model_revision_loads_that_revision_of_a_hub_model_from_the_cache(demo_a
     assert done.returncode == 0, done.stderr[-3000:]
     layers = [line for line in done.stdout.splitlines() if line.startswith("LAYERS ")]
     assert layers == ["LAYERS 2 2", "LAYERS 2 2", "LAYERS 3 3"]  # v1 by its tag, v1 by its commit, then the default: the hub's main
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", [pytest.param("shared", marks=pytest.mark.faults("two nodes downloading one hub model into one cache")),
+                                   pytest.param("per-node", marks=pytest.mark.faults("two nodes downloading one hub model, a cache each"))])
+def test_two_nodes_download_a_hub_model_once_per_cache_rank_0_first(demo_assets, tmp_path, cache):
+    """FT_MODEL a hub id on two nodes, each asking its own stand-in hub (tests/hub_standin.py; node 0's answers slowly, as a
+    distant hub would, so node 1 would be first to every file): with HF_HOME shared on the volume (the multi-node
+    overlays), node 0 downloads each file once and node 1 reads them from the cache, asking its hub for nothing; with a
+    cache of its own, node 1 downloads each file once there, after node 0."""
+    from hub_standin import StandInHub, hub_env
+
+    from conftest import free_port, start_job
+
+    port = str(free_port())
+    model = demo_assets / "model"
+    with StandInHub("org/tiny-reverser", model, delay=0.3) as hub0, StandInHub("org/tiny-reverser", model) as hub1:
+        nodes = []
+        for rank, hub in enumerate((hub0, hub1)):
+            env = job_env(tmp_path / "volume", FT_MODEL="org/tiny-reverser", FT_DATASET=str(demo_assets / "data" / "train.jsonl"), FT_MAX_STEPS="2",
+                          FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_EVAL_SAMPLES="0", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1")
+            env |= hub_env(hub, tmp_path / ("hf-home" if cache == "shared" else f"hf-home-{rank}"))
+            env |= dict(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port,
+                        FT_TERMINATION_MESSAGE_PATH=str(tmp_path / f"node{rank}.termination-log"), OMP_NUM_THREADS="1")
+            nodes.append(start_job(env, tmp_path / f"node{rank}.log"))
+        codes = [node.wait(timeout=600) for node in nodes]
+        assert codes == [0, 0], [(tmp_path / f"node{rank}.log").read_text()[-3000:] for rank in (0, 1)]
+    every_file_once = {name: 1 for name in hub0.files}
+    print(f"{cache} cache: node 0 downloaded {dict(hub0.downloads)}, node 1 {dict(hub1.downloads)}")
+    assert hub0.downloads == every_file_once
+    assert hub1.downloads == ({} if cache == "shared" else every_file_once)

@@ -469,7 +469,18 @@ def test_kueue_component_queues_every_overlay_and_creates_it_suspended(with_kueu
         assert workload["metadata"]["labels"]["kueue.x-k8s.io/queue-name"], overlay
         assert workload["spec"]["suspend"] is True
         (plain,) = [o for o in rendered[overlay] if o["kind"] == workload["kind"]]
-        assert "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"] and "suspend" not in plain["spec"]
+        if overlay == "indexed-job":  # queued as rendered: the component adds nothing more
+            assert plain == workload
+        else:
+            assert "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"] and "suspend" not in plain["spec"]
+
+
+def test_the_indexed_jobs_two_pods_are_admitted_together_by_kueue_as_rendered(rendered):
+    """Without gang admission one pod could start and wait at the rendezvous for one that is still pending (no second free
+    8-GPU node): Kueue admits a Job's pods together, and the overlay is queued and created suspended as it renders."""
+    job = one(rendered["indexed-job"], "Job")
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-h100"
+    assert job["spec"]["suspend"] is True and job["spec"]["parallelism"] == job["spec"]["completions"] == 2
 
 
 

@@ -138,3 +138,64 @@ def test_the_training_process_gets_the_variables_accelerate_launch_sets_on_cpu_a
     assert added["ACCELERATE_USE_CPU"] == str(use_cpu)
     assert (added["ACCELERATE_MIXED_PRECISION"], added["ACCELERATE_DYNAMO_BACKEND"]) == ("no", "NO")  # precision is the job's own (FT_PRECISION)
     assert "OMP_NUM_THREADS" not in added  # never "None" (see above)
+
+
+def _config(tmp_path, **values: str):
+    from trainer.core import config as job_config
+    from trainer.core import settings as settings_table
+
+    return job_config.build(settings_table.load({"FT_OUTPUT_DIR": str(tmp_path / "volume"), **values}), cuda=False, bf16_supported=False)
+
+
+@pytest.mark.parametrize(("values", "timeout"), [({}, 1800), ({"FT_RENDEZVOUS_TIMEOUT_SECONDS": "7200"}, 7200)])
+def test_the_nodes_wait_for_each_other_at_the_rendezvous_for_the_rendezvous_timeout(tmp_path, values, timeout):
+    """torchrun's static rendezvous gives the other nodes 600 s unless its `timeout` is set: a pod still pending or pulling its
+    image after that made the first exit 1 (tests/test_scale_out.py runs a node whose peers never come)."""
+    config = _config(tmp_path, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp", FT_NUM_NODES="2", FT_NODE_RANK="1", FT_MASTER_ADDR="10.0.0.1", **values)
+    cmd, _ = launch.torchrun_command(config)
+    assert f"--rdzv_conf=timeout={timeout}" in cmd and "--nnodes=2" in cmd and "--master_addr=10.0.0.1" in cmd, cmd
+    assert timeout >= 1800
+
+
+def test_training_processes_get_expandable_segments_and_several_nccls_warnings_and_its_dump_on_the_volume_unless_the_caller_set_them(tmp_path):
+    one = launch.runtime_environment(_config(tmp_path), {"PATH": "/bin"})
+    assert one == {"PATH": "/bin", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # one process: no NCCL
+    assert not (tmp_path / "volume" / "logs").exists()
+    several = _config(tmp_path, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp")
+    env = launch.runtime_environment(several, {})
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_DEBUG": "WARN", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "volume" / "logs" / "nccl_trace_rank_")}
+    assert (tmp_path / "volume" / "logs").is_dir()  # the flight recorder writes its files there, it creates no folder
+    own = {"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync", "NCCL_DEBUG": "INFO", "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_"}
+    assert launch.runtime_environment(several, own) == own | {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # torch reads PYTORCH_ALLOC_CONF first
+    assert launch.runtime_environment(several, {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"})["PYTORCH_CUDA_ALLOC_CONF"] == (
+        "garbage_collection_threshold:0.8")
+
+
+@pytest.mark.parametrize(
+    ("nodes", "codes", "plan", "ends"),
+    [
+        (1, {1: "75"}, [2, 2, 0], True),  # a step-down: a rank's 75 beside a new plan
+        (1, {1: "75"}, [4, 1, 0], False),  # 75 with the plan unchanged: a stop after its commit, the others still saving
+        (1, {1: "1"}, [2, 2, 0], False),  # 1: not the rank that ran out (it has not recorded yet)
+        (1, {0: "4"}, [4, 1, 0], True),  # out of memory at the smallest plan: the job ends with 4 whatever the others do
+        (2, {}, [2, 2, 0], True),  # another node's rank stepped down: the new plan on the shared volume is the sign
+        (2, {}, [4, 1, 0], False),
+        (1, {}, None, False),  # no record at all
+    ],
+)
+def test_the_launcher_ends_its_ranks_when_one_recorded_an_out_of_memory_step_down_and_only_then(tmp_path, nodes, codes, plan, ends):
+    """What trainer/launch/watching.py reads while the ranks run: their exit records and the plan recorded on the volume
+    (tests/test_stepdown.py runs it with a rank blocked as in an NCCL collective)."""
+    import json
+
+    from trainer.launch import watching
+
+    plans = tmp_path / "memory-plan.json"
+    watch = watching.StepDownWatch(str(plans), [4, 1, 0], nodes)
+    (tmp_path / "outcome").mkdir()
+    outcome = _recorded(tmp_path / "outcome", codes)
+    assert watch(outcome) is ("4" in codes.values())  # before any plan is recorded on the volume, only a 4 ends them
+    if plan is not None:
+        plans.write_text(json.dumps({"plan": plan}))
+    assert watch(outcome) is ends

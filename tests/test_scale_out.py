@@ -377,6 +377,36 @@ def test_a_rank_that_dies_fails_the_whole_job_fast(tmp_path):
     assert committed_steps(out)[0] == 10  # the committed checkpoint is intact
 
 
+@pytest.mark.faults("a node whose peers never start")
+def test_a_node_whose_peers_never_come_waits_the_rendezvous_timeout_then_exits_1_naming_it(tmp_path):
+    """torchrun's static rendezvous waits 600 s unless told otherwise: node 1, started alone, waits FT_RENDEZVOUS_TIMEOUT_SECONDS
+    (default 1,800 s, tests/test_launch.py; here 10 s) for node 0, then exits 1 with torchrun's own error."""
+    env = node_envs(tmp_path / "volume", tmp_path, **TWO, **SHORT)[1] | {"FT_RENDEZVOUS_TIMEOUT_SECONDS": "10"}
+    started = time.monotonic()
+    result = run_job(env, timeout=300)
+    took = time.monotonic() - started
+    print(f"node 1 alone: exit {result.returncode} after {took:.1f} s")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "timed out after 10000ms while trying to connect to (127.0.0.1" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.faults("rank 0 still saving the final model when the others are done")
+def test_the_ranks_end_together_after_rank_0_saved_with_nccls_diagnostics_set_and_the_process_group_destroyed(tmp_path):
+    out, exits = tmp_path / "volume", tmp_path / "exits.jsonl"
+    env = job_env(out, **TWO, FT_MAX_STEPS="4", FT_SAVE_STEPS="4", FT_EVAL_STEPS="4", FT_EVAL_SAMPLES="0", FT_NUM_PROCESSES="2",
+                  FT_MASTER_PORT=str(free_port()), NCCL_DEBUG="INFO")  # a variable the caller set is the caller's
+    result = run_job(with_faults(env, record_exit=str(exits)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    ended = {line["rank"]: line for line in map(json.loads, exits.read_text().splitlines())}
+    assert sorted(ended) == [0, 1]
+    assert ended[1]["final_model"], "rank 1 ended before rank 0 had saved the final model"  # torchrun's exit barrier on its node then waits
+    assert not ended[0]["group"] and not ended[1]["group"], ended  # destroyed on the success path, not at the interpreter's exit
+    for rank in (0, 1):
+        assert ended[rank]["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_DEBUG": "INFO", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                                      "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{out}/logs/nccl_trace_rank_"}, ended[rank]
+    assert (out / "logs").is_dir()  # where NCCL's flight recorder writes after a collective timed out (not the pod's /tmp)
+
+
 def _training_process(entrypoint_pid: int) -> int:
     """The `python -m trainer` worker under a node's entrypoint.py -> torchrun."""
     children = subprocess.run(["pgrep", "-f", "-P", str(entrypoint_pid), "torch.distributed.run"], capture_output=True, text=True).stdout.split()

@@ -18,14 +18,14 @@ from trainer.core import devices, locations, ranks
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
-from trainer.core.errors import Preempted
+from trainer.core.errors import Preempted, StepDownRestart
 from trainer.core.files import staged
 from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
 from trainer.data import data_report, demo
 from trainer.data import prepare as data
 from trainer.launch import launcher
-from trainer.model import attention, hub, memory, recipe, sharding, stepdown
+from trainer.model import attention, fetch, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
 from trainer.telemetry.feed import Telemetry
 from trainer.tracking import copies, hub_push, overview, packaging, progress, quiet, report, samples, summary
@@ -64,9 +64,11 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     hub_push.check_token(settings)  # FT_PUSH_TO_HUB without a token: exit 2 now, not after training
-    plan = stepdown.resumed(config, memory.preflight(config))  # from config.json alone: exit 2 before weights or data are downloaded
+    # From config.json alone: exit 2 before weights or data are downloaded.  Rank 0 first: it alone fetches config.json from the hub.
+    plan = stepdown.resumed(config, ranks.main_first(lambda: memory.preflight(config)))
     mirror = ranks.main_first(lambda: restore.from_mirror(config, volume))  # FT_MIRROR_URL: its newest checkpoint, when newer than the volume's
     layout.check_resumable(manifest.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
+    fetch.model_files(settings)  # a hub model's files, downloaded by rank 0 before any other process reads them
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     job_config.check_fingerprint(config)
@@ -280,6 +282,7 @@ def main() -> int:
     preemption.end_with_the_launcher()
     config = tracker = None
     telemetry = Telemetry()
+    stepped_down = False
     try:
         config = job_config.handed_over()
         telemetry = Telemetry.start(config)  # the metrics endpoint and the TrainJob status, from before the first step
@@ -289,6 +292,7 @@ def main() -> int:
         tracker = Tracker(config)
         with diskfull.reported(config.settings.output_dir, lambda: diskfull.elsewhere(Volume(config.settings.output_dir))):
             run(config, tracker, telemetry)
+        ranks.end_together()  # the other ranks stay until rank 0 has saved and registered the model
         code = 0
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code
         if isinstance(error, SystemExit):
@@ -298,10 +302,19 @@ def main() -> int:
 
             traceback.print_exc()
         code = exit_code_for(error)
+        stepped_down = isinstance(error, StepDownRestart) and ranks.world_size() > 1
     if ranks.is_main() and config is not None:
         settings = config.settings
         print(summary.line(code, time.perf_counter() - STARTED, tracker, settings.output_dir, settings.max_steps), flush=True)
     telemetry.close(code)  # 100 % only here, for exit 0: trained, saved and registered
+    if code == 0:
+        ranks.leave()  # every collective has completed: the process group is destroyed, not left to the interpreter's exit
     sys.stdout.flush()
     record_exit(code)
+    if stepped_down:
+        # The next plan is recorded and so is this code: nothing is left to do.  The other ranks may be held in a collective
+        # and NCCL work still in flight, which the interpreter's teardown of the process group would wait for; the
+        # launcher ends them (trainer/launch/launcher.py) and starts every rank again at the recorded plan.
+        sys.stderr.flush()
+        os._exit(code)
     return code

@@ -26,9 +26,16 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        at 0) raises torch.OutOfMemoryError, as CUDA would for a plan too large for the card
   FAULT_OOM_AFTER_PASSES=2             ... only after that many training passes have run in the process (a later, longer batch)
   FAULT_OOM_ON_RANK=1                  ... only in the process of that global rank (RANK): one of several runs out, the others wait
+  FAULT_HANG_BESIDE_OOM=<file>         ... and the others, in the pass where it runs out, write the time to <file> and block there,
+                                       ignoring SIGTERM, as a rank held in an NCCL collective does (its host blocked in a CUDA call)
   FAULT_RECORD_LOAD_MEMORY=<file>      rank 0 appends to <file>, for each part of a resume (weights, optimizer states), a
                                        JSON line with its resident memory before and its peak during it, in bytes
                                        (/proc/self/status VmRSS and VmHWM, the peak reset first through /proc/self/clear_refs)
+
+
+  FAULT_RECORD_EXIT=<file>             each training process appends to <file>, as it exits, a JSON line: its rank, the time, whether
+                                       its process group was still initialised, whether the final model existed, and the variables
+                                       of RECORDED_ENV it ran with
 
 
   FAULT_NAN_LOSS_ON_RANK=1:15          the training process of rank 1 returns a NaN loss from its 15th training pass (only that
@@ -166,8 +173,11 @@ def _out_of_memory_above(module):
 
     limit = int(os.environ["FAULT_OOM_ABOVE_SEQUENCES"])
     after = int(os.environ.get("FAULT_OOM_AFTER_PASSES") or 0)
+    hang = ""
     if os.environ.get("FAULT_OOM_ON_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
-        return  # another rank's card is the small one
+        hang = os.environ.get("FAULT_HANG_BESIDE_OOM", "")
+        if not hang:
+            return  # another rank's card is the small one
     passes = []
     original = module.prepare_model
 
@@ -178,6 +188,11 @@ def _out_of_memory_above(module):
         sequences = int((positions == 0).sum()) if positions is not None and ids.shape[0] == 1 else ids.shape[0]
         passes.append(sequences)
         if len(passes) > after and sequences > limit:
+            if hang:  # the pass in which the other rank runs out: wait for good, deaf to torchrun's SIGTERM
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                with open(hang, "a") as f:
+                    f.write(f"{time.time()}\n")
+                time.sleep(3600)
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected: a pass of {sequences} sequences, more than {limit}). Tried to allocate 2.00 GiB.")
 
     def prepare_model(net, *args, **kwargs):
@@ -301,6 +316,19 @@ if TRAINING_PROCESS and os.environ.get("FAULT_HOLD_START"):
     with open(os.environ["FAULT_HOLD_START"], "w") as f:
         f.write(f"{os.getpid()}\n")
     time.sleep(600)
+
+RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_DEBUG", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+if TRAINING_PROCESS and os.environ.get("FAULT_RECORD_EXIT"):
+    def _record_exit(path=os.environ["FAULT_RECORD_EXIT"]):
+        distributed = sys.modules.get("torch.distributed")
+        final = os.path.join(os.environ.get("FT_OUTPUT_DIR", ""), "final", "model")
+        line = {"rank": int(os.environ.get("RANK", "0")), "time": time.time(), "group": bool(distributed and distributed.is_initialized()),
+                "final_model": os.path.isdir(final), "env": {name: os.environ.get(name) for name in RECORDED_ENV}}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    atexit.register(_record_exit)
 
 if not TRAINING_PROCESS and os.environ.get("FAULT_RECORD_LAUNCHER_MODULES"):
     def _record_launcher_modules(path=os.environ["FAULT_RECORD_LAUNCHER_MODULES"]):

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -67,6 +68,39 @@ def barrier() -> None:
 
 
 _flags: Any = None  # a gloo group beside the training one (NCCL on GPU): flags travel between the hosts' CPUs
+
+
+def end_together() -> None:
+    """After the job: every rank waits until rank 0 has finished its own part (the final save, the registration,
+    minutes for a large model), so that the processes of every node end together.  Without it the others return at
+    once and, on another node, torchrun's exit barrier logs an error after 300 s (the job still exits 0).
+
+    The wait is on the gloo group (no GPU, no NCCL watchdog).  It ends when rank 0 arrives or when its process ends
+    whatever its code, and then, or after FT_COLLECTIVE_TIMEOUT_SECONDS, the other ranks end as they would have
+    (their part is done; rank 0's code is the job's)."""
+    if world_size() == 1 or _flags is None:
+        return
+    import torch.distributed as dist
+
+    try:
+        dist.barrier(group=_flags)
+    except Exception as error:  # noqa: BLE001 - a rank ended without arriving (rank 0 failing at the end): its own code is the job's
+        print(f"fulltune: rank {os.environ.get('RANK', '0')}: a rank ended before the final barrier ({type(error).__name__}); "
+              "its own exit code says why", file=sys.stderr, flush=True)
+
+
+def leave() -> None:
+    """Destroy the process groups once every collective has completed (the job succeeded): NCCL then frees its
+    communicators here instead of warning at the interpreter's exit.  Not after a failure: a peer may be gone or a
+    collective still in flight, which the destruction would wait for; the launcher ends those processes."""
+    global _flags
+    if world_size() == 1:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()  # every group, the gloo one of the flags too
+    _flags = None
 
 
 class AnyRank:

@@ -212,6 +212,9 @@ class Settings:
     collective_timeout_seconds: int = setting(1800, "How long a rank waits in a collective (all-reduce, barrier) before the job "
                                                     "fails. Keep it above the slowest checkpoint save or evaluation on rank 0, "
                                                     "which the other ranks wait for ([scaling out](scaling-out.md)).", minimum=60)
+    rendezvous_timeout_seconds: int = setting(1800, "Several nodes: how long each node waits at the rendezvous for the others to start (a pod "
+                                                    "still pending, pulling the image or attaching the volume) before it exits 1 "
+                                                    "([scaling out](scaling-out.md#several-nodes-meeting)).", minimum=10)
     # Not a variable: which platform's variables filled in unset settings (`platforms.py`), for the logs.
     detected_platform: str = "none"
 

@@ -114,6 +114,12 @@ class Volume:
         return self._path(".fulltune", "memory-plan.json")
 
     @property
+    def logs(self) -> str:
+        """What outlives the pod for a person to read: NCCL's flight-recorder dumps after a collective timed out
+        (`nccl_trace_rank_<rank>`, several processes only: trainer/launch/launcher.py)."""
+        return self._path("logs")
+
+    @property
     def data_cache(self) -> str:
         return self._path(".fulltune", "data-cache")
 

@@ -25,6 +25,7 @@ from trainer.core.config import VARIABLE
 from trainer.core.errors import OutOfMemory, StepDownRestart, StopAbandoned
 from trainer.core.files import read_json
 from trainer.core.volume import Volume
+from trainer.launch import watching
 
 
 class StopForwarder:
@@ -120,8 +121,31 @@ def torchrun_command(config: Any) -> tuple[list[str], dict[str, str]]:
     for name in ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "max_restarts"):
         if getattr(args, name, None) not in (None, ""):
             cmd.append(f"--{name}={getattr(args, name)}")
+    # The static rendezvous's store waits 600 s for the other nodes by default: a pod still pending or pulling the image
+    # beyond that made the other exit 1 (a retry counted each time).  Several nodes wait FT_RENDEZVOUS_TIMEOUT_SECONDS.
+    cmd.append(f"--rdzv_conf=timeout={s.rendezvous_timeout_seconds}")
     cmd += [f"--shutdown_timeout={s.stop_deadline_seconds + 30}", "--signals_to_handle=SIGTERM,SIGINT", "--module", "trainer"]
     return cmd, env
+
+
+# What every training process runs with unless the caller set it (the caller's value always wins).
+ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # padding-free passes change size every step: segments grow in place
+ALLOCATOR_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch 2.9+ reads the second first
+NCCL_TRACE = "nccl_trace_rank_"  # the flight recorder appends the rank
+
+
+def runtime_environment(config: Any, env: dict[str, str]) -> dict[str, str]:
+    """`env` with the variables the training processes need beside the job's own: the CUDA allocator's expandable
+    segments, and with several processes NCCL's warnings and its flight-recorder dump, written on the volume (its
+    `logs/` folder, created here) when a collective times out, where the pod's /tmp would lose it."""
+    added = {} if any(name in env for name in ALLOCATOR_NAMES) else dict(ALLOCATOR)
+    if config.world_size > 1:
+        added |= {"NCCL_DEBUG": "WARN", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+        if not {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"} & env.keys():
+            logs = Volume(config.settings.output_dir).logs
+            os.makedirs(logs, exist_ok=True)
+            added["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(logs, NCCL_TRACE)
+    return {name: value for name, value in added.items() if name not in env} | env
 
 
 def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
@@ -135,11 +159,12 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env[VARIABLE] = config.to_json()  # the child runs with what was validated here, not with its own reading of FT_*
     env[ending.LAUNCHER_PID] = str(os.getpid())
+    env = runtime_environment(config, env)
     plans = Volume(config.settings.output_dir).memory_plan_file
     started_at: list[Any] = []  # the recorded plans the processes were restarted at: each once, so the restarts end
     while True:
         before = (read_json(plans) or {}).get("plan")
-        returncode = _run_once(cmd, env, stops, several)
+        returncode = _run_once(cmd, env, stops, several, watching.StepDownWatch(plans, before, config.settings.num_nodes) if several else None)
         if not several or stops.received or stops.ended or stops.abandoned or returncode in (0, OutOfMemory.exit_code):
             break
         record = read_json(plans) or {}
@@ -152,7 +177,8 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
             break
         started_at.append(record["plan"])
         print(f"fulltune: {_stepped_down(record, config.world_size, plans)}: restarting the {config.world_size} processes there (the same updates) "
-              f"from the last committed checkpoint (step 0 before the first); the errors of the other processes above follow from it", flush=True)
+              f"from the last committed checkpoint (step 0 before the first); the other processes were ended at once, and any error of theirs "
+              f"above follows from it", flush=True)
         ending.write_termination_message("")  # the ended processes' exit lines no longer say how the job ends
         stops.child = None  # a stop before the next start is answered as one while starting (76), never as the 0 of a start skipped
     if stops.ended:
@@ -170,7 +196,7 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     return returncode
 
 
-def _run_once(cmd: list[str], env: dict[str, str], stops: StopForwarder, several: bool) -> int:
+def _run_once(cmd: list[str], env: dict[str, str], stops: StopForwarder, several: bool, watch: watching.StepDownWatch | None = None) -> int:
     """One start of the training process (torchrun and its ranks when `several`), to its end: the job's exit code."""
     outcome = tempfile.mkdtemp(prefix="fulltune-exit-")
     env = env | {ending.EXIT_FILE: os.path.join(outcome, "rank")}  # each local rank leaves its exit code there (torchrun reports only 1)
@@ -180,7 +206,7 @@ def _run_once(cmd: list[str], env: dict[str, str], stops: StopForwarder, several
         stops.child = subprocess.Popen(cmd, env=env, start_new_session=several)  # several: its own group, to end the whole tree
         if stops.ended:  # between the check above and here
             stops.end_now()
-        returncode = stops.child.wait()
+        returncode = watching.wait(stops.child, outcome, watch)
     if several:
         returncode = _job_exit_code(outcome, returncode)
     shutil.rmtree(outcome, ignore_errors=True)
@@ -207,10 +233,7 @@ def _job_exit_code(folder: str, torchrun_code: int) -> int:
     """The job's code as this node's ranks recorded it (local rank 0's, unless it succeeded, or failed with 1 where another
     rank's code says why: the rank out of memory ends with 4 or 75, the others then fail with 1 on their lost peer),
     else torchrun's own (1 when a worker failed without recording, e.g. killed)."""
-    codes = {}
-    for name in os.listdir(folder):
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
-            codes[int(name.rsplit(".", 1)[1])] = int(f.read().strip() or 1)
+    codes = watching.recorded_codes(folder)
     failures = [code for _, code in sorted(codes.items()) if code]
     if codes.get(0) not in (None, 0, 1):
         return codes[0]
