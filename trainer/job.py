@@ -118,7 +118,7 @@ def build_trainer(
 
     settings, cuda = config.settings, config.cuda
     tracker = tracker or Tracker(config, enabled=False)
-    net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
+    net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda, config.precision)
     if tracker is not None:
         tracker.log(tags={"attention": attention.path_taken(net)})  # which attention trained (the loop, torch's varlen kernel, sdpa)
     quiet.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing

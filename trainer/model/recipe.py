@@ -52,12 +52,18 @@ def optimizer_cls_and_kwargs(precision: Precision, args: Any) -> Any:
     return StochasticRoundingAdamW, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon, "seed": args.seed}
 
 
-def prepare_model(net: Any, settings: Settings, cuda: bool) -> Any:
-    """Switch the loaded model to our padding-free attention (trainer/model/attention.py) when passes are padding-free."""
+def prepare_model(net: Any, settings: Settings, cuda: bool, precision: Precision | None = None) -> Any:
+    """Switch the loaded model to our padding-free attention (trainer/model/attention.py) when passes are padding-free:
+    on CUDA torch's varlen kernel for a bf16 compute dtype, if its self-check passes, else SDPA per sequence.  A model
+    whose attention soft-caps its logits or has sinks keeps its own (slower, not wrong)."""
     if padding_free(settings, cuda) and net.config._attn_implementation not in ("flash_attention_2", "flash_attention_3"):
         from trainer.model import attention
 
-        net.set_attn_implementation(attention.register(cuda))  # on CUDA torch's varlen kernel, if its self-check passes
+        if why := attention.unsupported(net):
+            print(f"fulltune: attention: the model's own ({net.config._attn_implementation}): {why}, which fulltune's padding-free attention does not do",
+                  flush=True)
+            return net
+        net.set_attn_implementation(attention.register("cuda" if cuda else "cpu", precision))
     return net
 
 
