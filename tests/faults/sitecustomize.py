@@ -24,11 +24,15 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        at 0) raises torch.OutOfMemoryError, as CUDA would for a plan too large for the card
   FAULT_OOM_AFTER_PASSES=2             ... only after that many training passes have run in the process (a later, longer batch)
   FAULT_OOM_ON_RANK=1                  ... only in the process of that global rank (RANK): one of several runs out, the others wait
+  FAULT_OOM_KIND=cublas                ... raised as another library words it instead of torch.OutOfMemoryError: cublas (cuBLAS
+                                       creating its handle), cudnn, nccl (a DistBackendError), cuda (a plain CUDA error)
   FAULT_RECORD_LOAD_MEMORY=<file>      rank 0 appends to <file>, for each part of a resume (weights, optimizer states), a
                                        JSON line with its resident memory before and its peak during it, in bytes
                                        (/proc/self/status VmRSS and VmHWM, the peak reset first through /proc/self/clear_refs)
 
 
+  FAULT_RECORD_DDP=<file>              each training process appends to <file>, when DDP wraps its model, a JSON line with its
+                                       RANK and the wrapper's `gradient_as_bucket_view`
   FAULT_NAN_LOSS_ON_RANK=1:15          the training process of rank 1 returns a NaN loss from its 15th training pass (only that
                                        one): its gradients are NaN, the other ranks' are finite until they are averaged
 """
@@ -173,7 +177,7 @@ def _out_of_memory_above(module):
         sequences = int((positions == 0).sum()) if positions is not None and ids.shape[0] == 1 else ids.shape[0]
         passes.append(sequences)
         if len(passes) > after and sequences > limit:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: a pass of {sequences} sequences, more than {limit}). Tried to allocate 2.00 GiB.")
+            raise _out_of_memory(os.environ.get("FAULT_OOM_KIND", "torch"), f"injected: a pass of {sequences} sequences, more than {limit}")
 
     def prepare_model(net, *args, **kwargs):
         net = original(net, *args, **kwargs)
@@ -181,6 +185,22 @@ def _out_of_memory_above(module):
         return net
 
     module.prepare_model = prepare_model
+
+
+def _out_of_memory(kind, why):
+    """Out of device memory as each library raises it (their own words; torch wraps the others in RuntimeError)."""
+    import torch
+
+    if kind == "cublas":
+        return RuntimeError(f"CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` ({why})")
+    if kind == "cudnn":
+        return RuntimeError(f"cuDNN error: CUDNN_STATUS_ALLOC_FAILED ({why})")
+    if kind == "nccl":
+        return torch.distributed.DistBackendError(f"NCCL error in: ProcessGroupNCCL.cpp:3640, unhandled cuda error (run with NCCL_DEBUG=INFO for "
+                                                  f"details), NCCL version 2.27.5\nLast error:\nCuda failure 'out of memory' ({why})")
+    if kind == "cuda":
+        return RuntimeError(f"CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported ({why})")
+    return torch.OutOfMemoryError(f"CUDA out of memory ({why}). Tried to allocate 2.00 GiB.")
 
 
 def _status_bytes(field):
@@ -211,6 +231,17 @@ def _record_load_memory(module):
 
     measured("_load_from_checkpoint")
     measured("_load_optimizer_and_scheduler")
+
+
+def _record_ddp(module):
+    original = module.DistributedDataParallel.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        with open(os.environ["FAULT_RECORD_DDP"], "a", encoding="utf-8") as f:
+            f.write(json.dumps({"rank": os.environ.get("RANK"), "gradient_as_bucket_view": self.gradient_as_bucket_view}) + "\n")
+
+    module.DistributedDataParallel.__init__ = __init__
 
 
 def _nan_loss_on_rank(module):
@@ -254,6 +285,7 @@ PATCHES = {  # module -> (variables, patch)
     "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES", "FAULT_NAN_LOSS_ON_RANK"), _model_faults),
     "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE",), _slow_checkpoint_write),
     "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY",), _record_load_memory),
+    "torch.nn.parallel.distributed": (("FAULT_RECORD_DDP",), _record_ddp),
 }
 if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
     when = os.environ.get("FAULT_FILL_VOLUME_AT", "")
