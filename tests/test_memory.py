@@ -222,3 +222,23 @@ def test_under_fsdp_nothing_is_staged_for_checkpoints_and_the_host_must_hold_the
     # half the host for the final weights: fits under FSDP; DDP stages the whole checkpoint (1.5 x the host)
     assert memory.check_host_memory(fp32, host // 8, fsdp, cuda=True) is None
     assert "the checkpoint snapshot" in memory.check_host_memory(fp32, host // 8, ddp, cuda=True)
+
+
+def test_under_fsdp_a_plan_recomputes_no_layer_or_every_layer_as_accelerates_fsdp_does():
+    """accelerate 1.15's FSDP2 checkpointing wraps every decoder layer (no every-n): a "selective" FSDP plan would run
+    full recomputation, and stepping down between two of them would change nothing but cost a restart."""
+    from trainer.core import settings as settings_table
+    from trainer.model import loading, stepdown
+
+    config = _qwen3(ROOT / "bench" / "configs" / "qwen3-8b" / "config.json")
+    n, mixed = loading.parameter_count(config), PRECISIONS["bf16-mixed"]
+    settings = settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused", "FT_PLATFORM": "none"})
+    fsdp = memory.candidates(config, n, settings, mixed, 85.5e9, "auto", 4, "fsdp")
+    assert {c.checkpoint_every for c in fsdp} == {0, 1} and not any("selective" in c.describe() for c in fsdp)
+    chain = [fsdp[0]]
+    while (lower := stepdown.next_down(chain[-1], fsdp)) is not None:
+        chain.append(lower)
+    assert all((a.sequences_per_pass, a.checkpoint_every) != (b.sequences_per_pass, b.checkpoint_every) for a, b in zip(chain, chain[1:], strict=False))
+    assert {c.checkpoint_every for c in memory.candidates(config, n, settings, mixed, 85.5e9, "selective", 4, "fsdp")} == {1}
+    ddp = memory.candidates(config, n, settings, mixed, 85.5e9, "auto", 4, "ddp")
+    assert len({c.checkpoint_every for c in ddp}) > 2  # DDP and one process recompute every n-th layer (transformers' every_n_layers)

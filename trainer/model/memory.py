@@ -122,7 +122,7 @@ def candidates(
     layers = shape(config)["layers"]
     found = []
     for per_pass, passes in layouts:
-        for every in recomputation_choices(checkpointing, layers, bool(capacity)):
+        for every in recomputation_choices(checkpointing, layers, bool(capacity), every_layer_only=strategy == "fsdp"):
             layout = {"sequences_per_pass": per_pass, "passes_per_step": passes, "max_length": settings.max_length, "checkpoint_every": every, "shards": shards}
             each = phases(config, n_params, precision=precision, **layout)
             highest = max(each, key=lambda name: sum(each[name].values()))
@@ -130,17 +130,20 @@ def candidates(
     return found
 
 
-def recomputation_choices(policy: str, layers: int, limited: bool) -> list[int]:
+def recomputation_choices(policy: str, layers: int, limited: bool, every_layer_only: bool = False) -> list[int]:
     """`every_n_layers` values to try, least recomputation first (0 = none, 1 = every layer).
 
     Without a device limit (CPU) recomputation only costs time: `auto` is off and `selective` every 2nd layer.
+    `every_layer_only` (FSDP): accelerate 1.15's FSDP2 activation checkpointing (`fsdp2_apply_ac`) wraps every decoder
+    layer and has no every-n, so there is nothing between none and all (`selective` is every layer there): a plan
+    that said "selective" would recompute every layer, and a step down between two such plans would change nothing.
     """
     largest_n_per_count = {checkpointed_layers(n, layers): n for n in range(2, layers + 1)}
-    partial = [n for _, n in sorted(largest_n_per_count.items())]
+    partial = [] if every_layer_only else [n for _, n in sorted(largest_n_per_count.items())]
     return {
         "off": [0],
         "full": [1],
-        "selective": (partial or [1]) if limited else [min(2, layers)],
+        "selective": (partial or [1]) if limited or every_layer_only else [min(2, layers)],
         "auto": [0, *partial, 1] if limited else [0],
     }[policy]
 
