@@ -93,9 +93,13 @@ def one_process(tmp_path_factory) -> Path:
 
 
 def test_two_processes_train_like_one_with_the_same_global_batch(one_process, tmp_path):
-    out = tmp_path / "volume"
-    result = run_job(job_env(out, **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp", FT_MASTER_PORT=str(free_port())))
+    out, wrapped = tmp_path / "volume", tmp_path / "ddp.jsonl"
+    env = job_env(out, **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp", FT_MASTER_PORT=str(free_port()))
+    result = run_job(with_faults(env, record_ddp=str(wrapped)))
     assert result.returncode == 0, result.stdout + result.stderr
+    # Gradients as views into DDP's buckets: no second copy of every gradient, which the memory plan does not count.
+    records = [json.loads(line) for line in wrapped.read_text().splitlines()]
+    assert sorted(r["rank"] for r in records) == ["0", "1"] and all(r["gradient_as_bucket_view"] for r in records), records
     assert "4 x 1 accumulation x 2 processes (ddp)" in result.stdout and "effective batch 8" in result.stdout
     assert result.stdout.count("fulltune: step=40/40 loss=") == 1  # one progress log: rank 0's
     one, two = eval_losses(one_process), eval_losses(out)
