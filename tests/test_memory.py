@@ -242,3 +242,17 @@ def test_under_fsdp_a_plan_recomputes_no_layer_or_every_layer_as_accelerates_fsd
     assert {c.checkpoint_every for c in memory.candidates(config, n, settings, mixed, 85.5e9, "selective", 4, "fsdp")} == {1}
     ddp = memory.candidates(config, n, settings, mixed, 85.5e9, "auto", 4, "ddp")
     assert len({c.checkpoint_every for c in ddp}) > 2  # DDP and one process recompute every n-th layer (transformers' every_n_layers)
+
+
+def test_several_processes_on_a_gpu_plan_nccls_own_buffers_one_process_and_cpu_do_not():
+    """NCCL allocates its communicator's buffers outside torch's caching allocator: ~1 GiB more per GPU in the plan."""
+    from trainer.model import estimate
+
+    settings, config, n = _settings(), _qwen3_4b(), 4_022_468_096
+    mixed = PRECISIONS["bf16-mixed"]
+    alone = memory.candidates(config, n, settings, mixed, 0.0, "full", 1, "none")[0]
+    two = memory.candidates(config, n, settings, mixed, 0.0, "full", 2, "ddp")[0]
+    assert (alone.sequences_per_pass, alone.checkpoint_every) == (two.sequences_per_pass, two.checkpoint_every)
+    assert two.breakdown["workspace"] - alone.breakdown["workspace"] == estimate.NCCL_BUFFERS == 2**30
+    assert two.peak - alone.peak == 2**30  # DDP holds a whole model each: nothing else differs
+    assert "workspace" not in memory.candidates(config, n, settings, PRECISIONS["fp32"], 0.0, "full", 2, "ddp")[0].breakdown  # gloo on CPU

@@ -123,7 +123,8 @@ def candidates(
     found = []
     for per_pass, passes in layouts:
         for every in recomputation_choices(checkpointing, layers, bool(capacity), every_layer_only=strategy == "fsdp"):
-            layout = {"sequences_per_pass": per_pass, "passes_per_step": passes, "max_length": settings.max_length, "checkpoint_every": every, "shards": shards}
+            layout = {"sequences_per_pass": per_pass, "passes_per_step": passes, "max_length": settings.max_length, "checkpoint_every": every, "shards": shards,
+                      "processes": processes}
             each = phases(config, n_params, precision=precision, **layout)
             highest = max(each, key=lambda name: sum(each[name].values()))
             found.append(Plan(per_pass, passes, every, each[highest], capacity, layers, strategy, processes, highest))
