@@ -33,6 +33,9 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
 
   FAULT_RECORD_DDP=<file>              each training process appends to <file>, when DDP wraps its model, a JSON line with its
                                        RANK and the wrapper's `gradient_as_bucket_view`
+  FAULT_RECORD_OPTIMIZER=<file>        each training process appends to <file>, at its first step of the bf16-sr optimizer, a JSON
+                                       line with its RANK and the kinds (DTensor or Tensor) and dtypes of the parameters, their
+                                       gradients and AdamW states it steps
   FAULT_NAN_LOSS_ON_RANK=1:15          the training process of rank 1 returns a NaN loss from its 15th training pass (only that
                                        one): its gradients are NaN, the other ranks' are finite until they are averaged
 """
@@ -244,6 +247,27 @@ def _record_ddp(module):
     module.DistributedDataParallel.__init__ = __init__
 
 
+def _record_optimizer(module):
+    original = module.StochasticRoundingAdamW.step
+    recorded = []
+
+    def kinds(tensors):
+        return sorted({f"{type(t).__name__} {str(t.dtype).removeprefix('torch.')}" for t in tensors})
+
+    def step(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not recorded:
+            recorded.append(1)
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            states = [self.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")]
+            line = {"rank": os.environ.get("RANK", "0"), "params": kinds(params), "grads": kinds([p.grad for p in params]), "states": kinds(states)}
+            with open(os.environ["FAULT_RECORD_OPTIMIZER"], "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        return result
+
+    module.StochasticRoundingAdamW.step = step
+
+
 def _nan_loss_on_rank(module):
     """A forward hook on the prepared model's last norm, in one rank's process only: that pass's hidden states times
     NaN, so its loss is NaN whichever way the trainer computes it (TRL's fused head never returns `loss`)."""
@@ -286,6 +310,7 @@ PATCHES = {  # module -> (variables, patch)
     "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE",), _slow_checkpoint_write),
     "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY",), _record_load_memory),
     "torch.nn.parallel.distributed": (("FAULT_RECORD_DDP",), _record_ddp),
+    "trainer.model.optim": (("FAULT_RECORD_OPTIMIZER",), _record_optimizer),
 }
 if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
     when = os.environ.get("FAULT_FILL_VOLUME_AT", "")

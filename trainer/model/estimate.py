@@ -141,7 +141,7 @@ def phases(
             "tied gradient": TIED_GRADIENT_COPIES * precision.gradient_bytes * embedding if s["tied"] else precision.gradient_bytes * embedding,
             "activations": STREAM_COPIES[stream] * h * tokens if recomputed else 0.0,  # the embeddings' output and the final norm's
         }
-    largest = max(embedding, layer_params)  # the per-parameter loop's fp32 temporaries (trainer/model/optim.py)
+    largest = max(embedding, layer_params) / shards  # the per-parameter loop's fp32 temporaries (trainer/model/optim.py): of its shard under FSDP
     update = static | {"gradients": gradients, "update": (12 * largest if precision.stochastic_rounding else 0.0)}
     each = {"forward": forward, "backward start": backward_start, "backward end": backward_end, "optimizer": update}
     if precision.bf16:  # only on GPU: CUDA context, cuBLAS workspace and allocator slack (docs/memory-plan.md)

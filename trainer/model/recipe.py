@@ -102,6 +102,24 @@ def fsdp_config(plan: Any) -> dict[str, Any]:
     }
 
 
+def autocast(precision: Precision, plan: Any) -> bool:
+    """bf16 autocast (the Trainer's `bf16`): for bf16-mixed, and for bf16-sr except under FSDP.  bf16-sr's weights are
+    bf16 already (autocast changes nothing), and under FSDP accelerate 1.15 upcasts every weight to fp32 when mixed
+    precision is on (`fsdp2_prepare_model`): the job would train fp32 weights while the plan counts bf16 ones."""
+    return precision.bf16 and not (precision.stochastic_rounding and plan.strategy == "fsdp")
+
+
+def fsdp_mixed_precision(precision: Precision, plan: Any) -> dict[str, Any] | None:
+    """FSDP2's policy under bf16-mixed: layers gathered and computed in bf16, gradients reduce-scattered in fp32 into
+    the fp32 master gradients.  accelerate 1.15's own (`set_mixed_precision("bf16")`) also reduces in bf16, which
+    rounds every rank's gradient before the sum; one process and DDP sum them in fp32.  None: accelerate's default."""
+    if plan.strategy != "fsdp" or not autocast(precision, plan):
+        return None
+    import torch
+
+    return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.bfloat16}
+
+
 def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, evaluate: bool = True) -> Any:
     """`plan` (trainer.model.memory.Plan) gives the passes per step and which layers recompute their activations.
 
@@ -110,7 +128,7 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
     """
     from trl import SFTConfig
 
-    return SFTConfig(
+    config = SFTConfig(
         output_dir=Volume(settings.output_dir).checkpoints,
         # -- batch and schedule
         per_device_train_batch_size=plan.sequences_per_pass,
@@ -146,7 +164,7 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         dataloader_num_workers=settings.dataloader_workers,
         dataloader_persistent_workers=settings.dataloader_workers > 0,
         # -- precision, memory and speed
-        bf16=precision.bf16,  # bf16-sr: the weights are bf16 already; autocast changes nothing
+        bf16=autocast(precision, plan),
         fp16=False,
         use_cpu=not cuda,
         activation_checkpointing=plan.checkpointing and plan.strategy != "fsdp",
@@ -161,3 +179,6 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         use_liger_kernel=settings.liger,
         disable_tqdm=True,
     )
+    if policy := fsdp_mixed_precision(precision, plan):  # transformers 5.24 has no fsdp_config key for it: the plugin's own argument
+        config.fsdp_plugin_args["mixed_precision_policy"] = policy
+    return config
