@@ -70,12 +70,12 @@ def eval_losses(volume: Path) -> dict[int, float]:
     return metric(volume, "eval_loss")
 
 
-def node_envs(volume: Path, tmp_path: Path, **settings: str) -> list[dict[str, str]]:
+def node_envs(volume: Path, tmp_path: Path, per_node: int = 1, **settings: str) -> list[dict[str, str]]:
     port = str(free_port())
     envs = []
     for rank in (0, 1):
         env = job_env(volume, **settings)
-        env.update(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port)
+        env.update(PET_NNODES="2", PET_NPROC_PER_NODE=str(per_node), PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port)
         env.update(FT_TERMINATION_MESSAGE_PATH=str(tmp_path / f"node{rank}.termination-log"), OMP_NUM_THREADS="1")
         envs.append(env)
     return envs
@@ -407,6 +407,26 @@ def test_two_nodes_train_one_model_in_one_run(two_nodes):
     assert len(eval_losses(two_nodes)) == 3
     assert (two_nodes / "final" / "model" / "model.safetensors").exists()
     assert not (two_nodes / "final.gathered").exists()
+
+
+def test_fsdp_over_two_nodes_shards_within_each_node_and_replicates_across_them_and_trains_what_one_process_trains(one_process, tmp_path):
+    """2 nodes x 2 processes (gloo): HSDP, each layer's all-gather and reduce-scatter within a node, so each process
+    holds half the model (a quarter over all four would send every layer's gathers across nodes)."""
+    out = tmp_path / "volume"
+    envs = node_envs(out, tmp_path, per_node=2, FT_PRESET="demo", FT_BATCH_SIZE="2", FT_GRADIENT_ACCUMULATION_STEPS="1", FT_DISTRIBUTED="fsdp")
+    nodes = start_nodes(envs, tmp_path, "hsdp")
+    codes = [node.wait(timeout=900) for node in nodes]
+    log = (tmp_path / "hsdp-node0.log").read_text()
+    assert codes == [0, 0], [log[-3000:], (tmp_path / "hsdp-node1.log").read_text()[-3000:]]
+    assert "2 x 1 accumulation x 4 processes (fsdp)" in log
+    assert "4 processes (fsdp: 1/2 of the model each, sharded within each of 2 nodes and replicated across them)" in log
+    whole, held = shards(log)
+    assert len(held) == 4 and sum(held) == 2 * whole and max(held) <= 0.51 * whole, (whole, held)  # halves, twice over
+    sharded, whole_model = metric(out, "loss"), metric(one_process, "loss")
+    worst = max(abs(sharded[s] / whole_model[s] - 1) for s in whole_model)
+    difference = max_weight_difference(one_process / "final/model/model.safetensors", out / "final/model/model.safetensors")
+    print(f"hsdp: training loss within {worst:.2g} relative of one process's, final weights within {difference:g}")
+    assert sharded == pytest.approx(whole_model, rel=TRAIN_TOLERANCE) and difference <= WEIGHT_TOLERANCE
 
 
 @pytest.mark.faults("SIGTERM to one node of two", "a restart on another number of processes")

@@ -120,6 +120,17 @@ def fsdp_mixed_precision(precision: Precision, plan: Any) -> dict[str, Any] | No
     return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.bfloat16}
 
 
+def hybrid_sharding(plan: Any) -> Any:
+    """HSDP for an FSDP plan over several nodes (`plan.replicas`): accelerate's mesh of `dp_replicate` (one per node)
+    x `dp_shard` (a node's processes), so each layer's all-gather and reduce-scatter stay within a node.  torchrun numbers
+    a node's processes consecutively, which is the mesh's inner dimension.  None: FSDP over every process."""
+    if plan.strategy != "fsdp" or plan.replicas == 1:
+        return None
+    from accelerate import ParallelismConfig
+
+    return ParallelismConfig(dp_replicate_size=plan.replicas, dp_shard_size=plan.processes // plan.replicas)
+
+
 def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, evaluate: bool = True) -> Any:
     """`plan` (trainer.model.memory.Plan) gives the passes per step and which layers recompute their activations.
 
@@ -174,6 +185,7 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         ddp_find_unused_parameters=False,  # every parameter takes part in every forward: no extra autograd traversal
         fsdp=plan.strategy == "fsdp",
         fsdp_config=fsdp_config(plan) if plan.strategy == "fsdp" else None,
+        parallelism_config=hybrid_sharding(plan),
         optim=optimizer(settings, cuda),
         torch_compile=settings.compile,
         use_liger_kernel=settings.liger,

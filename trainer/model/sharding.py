@@ -27,8 +27,10 @@ from transformers import TrainerCallback
 from trainer.core import ranks
 
 
-def honour_fsdp_on_cpu(trainer: Any) -> None:
-    """Make the Trainer's accelerator shard with FSDP on a CPU (gloo) process group, as it would on GPUs."""
+def honour_fsdp_on_cpu(trainer: Any, parallelism: Any = None) -> None:
+    """Make the Trainer's accelerator shard with FSDP on a CPU (gloo) process group, as it would on GPUs; with
+    `parallelism` (HSDP's ParallelismConfig, which accelerate refuses on a `MULTI_CPU` accelerator and so was held
+    back from it), its device mesh too, as `Accelerator.__init__` builds it."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -44,6 +46,10 @@ def honour_fsdp_on_cpu(trainer: Any) -> None:
     # the utilities that ask PartialState() instead of the Accelerator (saving, gathering) must see FSDP too.
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     trainer.is_fsdp_enabled = True  # transformers derives it from the state right after building the accelerator
+    if parallelism is not None:
+        state.parallelism_config = parallelism
+        state.device_mesh = parallelism.get_device_mesh(trainer.accelerator.device.type)
+        parallelism._validate_accelerator(trainer.accelerator)
 
 
 def trainer_class(cuda: bool, strategy: str) -> type:
@@ -100,9 +106,14 @@ def _job_trainer() -> type:
 @functools.cache
 def _cpu_fsdp_trainer() -> type:
     class ShardedSFTTrainer(_job_trainer()):
+        def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+            args = super()._build_accelerator_args(**kwargs)
+            self._held_back = args.pop("parallelism_config", None)  # validated against FSDP, which is set only below
+            return args
+
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
-            honour_fsdp_on_cpu(self)
+            honour_fsdp_on_cpu(self, self._held_back)
 
     return ShardedSFTTrainer
 

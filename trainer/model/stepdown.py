@@ -94,6 +94,7 @@ def _for(job: Config, plan: memory.Plan) -> dict[str, Any]:
         "model": s.model, "precision": job.precision.name, "max_length": s.max_length, "batch_size": s.batch_size,
         "gradient_accumulation_steps": s.gradient_accumulation_steps, "batch_layout": s.batch_layout,
         "activation_checkpointing": s.activation_checkpointing, "capacity": plan.capacity, "strategy": plan.strategy, "processes": plan.processes,
+        **({"replicas": plan.replicas} if plan.replicas > 1 else {}),  # a record of a flat FSDP plan stays valid
     }  # fmt: skip
 
 
@@ -104,7 +105,7 @@ def _plans(job: Config, plan: memory.Plan) -> list[memory.Plan]:
     settings = job.settings
     return memory.candidates(
         config, model.parameter_count(config, settings.trust_remote_code), settings, job.precision, plan.capacity,
-        settings.activation_checkpointing, plan.processes, plan.strategy,
+        settings.activation_checkpointing, plan.processes, plan.strategy, plan.replicas,
     )
 
 
