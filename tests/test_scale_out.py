@@ -118,7 +118,8 @@ def test_two_processes_train_like_one_with_the_same_global_batch(one_process, tm
 def fsdp(tmp_path_factory) -> tuple[Path, str]:
     """The demo sharded by FSDP2 over two CPU processes (gloo): the reference for the interrupted FSDP jobs."""
     out = tmp_path_factory.mktemp("fsdp") / "volume"
-    result = run_job(job_env(out, **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port())))
+    env = job_env(out, **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port()))
+    result = run_job(with_faults(env, record_gathered=str(out.parent / "gathered.json")))
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result.stdout
 
@@ -149,7 +150,10 @@ def test_fsdp_shards_the_model_over_two_cpu_processes_and_trains_what_one_proces
     assert difference <= WEIGHT_TOLERANCE
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(final)
+    reloaded = AutoModelForCausalLM.from_pretrained(final)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # the tied demo model, tied again
+    gathered = json.loads((out.parent / "gathered.json").read_text())  # what rank 0 held and wrote once, gathered from the shards
+    assert "model.embed_tokens.weight" in gathered and "lm_head.weight" not in gathered  # the tied embedding once, not twice
     assert committed_steps(out) == [20, 40]
 
 

@@ -233,6 +233,9 @@ def _whole_model(trainer: Any, volume: Volume) -> Any:
     # FULL_STATE_DICT branch, once, weights only.  Every rank sends its shards; rank 0 holds them (on the host) and writes.
     weights = trainer.accelerator.get_state_dict(trainer.model)
     if ranks.is_main():
+        for tied, source in getattr(trainer.model, "all_tied_weights_keys", {}).items():  # gathered as two host copies: keep one
+            if source in weights:
+                weights.pop(tied, None)
         trainer._save(gathered, state_dict=weights)
     del weights
     ranks.barrier()

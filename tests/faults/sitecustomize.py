@@ -36,6 +36,8 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
   FAULT_RECORD_OPTIMIZER=<file>        each training process appends to <file>, at its first step of the bf16-sr optimizer, a JSON
                                        line with its RANK and the kinds (DTensor or Tensor) and dtypes of the parameters, their
                                        gradients and AdamW states it steps
+  FAULT_RECORD_GATHERED=<file>         rank 0 writes to <file> the names of the weights it saves when the Trainer's `_save` is
+                                       given them (the final model gathered from its FSDP shards), as JSON
   FAULT_NAN_LOSS_ON_RANK=1:15          the training process of rank 1 returns a NaN loss from its 15th training pass (only that
                                        one): its gradients are NaN, the other ranks' are finite until they are averaged
 """
@@ -236,6 +238,25 @@ def _record_load_memory(module):
     measured("_load_optimizer_and_scheduler")
 
 
+def _record_gathered(module):
+    original = module.Trainer._save
+
+    def _save(self, output_dir=None, state_dict=None, *args, **kwargs):
+        if state_dict is not None:
+            with open(os.environ["FAULT_RECORD_GATHERED"], "w", encoding="utf-8") as f:
+                json.dump(sorted(state_dict), f)
+        return original(self, output_dir, state_dict, *args, **kwargs)
+
+    module.Trainer._save = _save
+
+
+def _trainer_faults(module):
+    if os.environ.get("FAULT_RECORD_LOAD_MEMORY"):
+        _record_load_memory(module)
+    if os.environ.get("FAULT_RECORD_GATHERED"):
+        _record_gathered(module)
+
+
 def _record_ddp(module):
     original = module.DistributedDataParallel.__init__
 
@@ -308,7 +329,7 @@ PATCHES = {  # module -> (variables, patch)
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
     "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES", "FAULT_NAN_LOSS_ON_RANK"), _model_faults),
     "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE",), _slow_checkpoint_write),
-    "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY",), _record_load_memory),
+    "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY", "FAULT_RECORD_GATHERED"), _trainer_faults),
     "torch.nn.parallel.distributed": (("FAULT_RECORD_DDP",), _record_ddp),
     "trainer.model.optim": (("FAULT_RECORD_OPTIMIZER",), _record_optimizer),
 }
