@@ -126,10 +126,10 @@ class Settings:
                                                                                   changes="training", group="Hardware")
     activation_checkpointing: Literal["auto", "full", "selective", "off"] = setting("auto", "Recompute activations in the backward pass instead of keeping "
                                                                                             "them: `full` every decoder layer, `selective` every n-th layer "
-                                                                                            "with n as large as the memory plan fits, `off` none. `auto` "
+                                                                                            "with n as large as the memory plan fits (every layer under "
+                                                                                            "FSDP), `off` none. `auto` "
                                                                                             "picks the least recomputation that fits, none on CPU ([the "
-                                                                                            "memory plan](performance.md#memory-and-disk-preflight)). Under "
-                                                                                            "FSDP none or every layer: `selective` is `full` there.")
+                                                                                            "memory plan](performance.md#memory-and-disk-preflight)).")
     # -- Throughput ----------------------------------------------------------------------------------
     batch_layout: Literal["auto", "as-set"] = setting("auto", "`auto`: train each optimizer step's `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` "
                                                               "sequences, in the same order and with the same updates, in as few forward passes as the "
