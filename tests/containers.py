@@ -74,10 +74,11 @@ class Container:
     """One `ENGINE run` of the image, started as `docker run` in the README starts it: read-only root,
     /tmp on a tmpfs, the image's own user, a host folder as /output; its output goes to `log`."""
 
-    def __init__(self, output: Path, env: dict[str, str], log: Path, args: tuple[str, ...] = (), flags: tuple[str, ...] = ()):
+    def __init__(self, output: Path, env: dict[str, str], log: Path, args: tuple[str, ...] = (), flags: tuple[str, ...] = (), network: str = "none"):
+        """`network`: none, or `host` for a container that talks to a server the test runs on loopback (an S3 store)."""
         self.name = f"fulltune-test-{uuid.uuid4().hex[:10]}"
         self.log = log
-        command = [ENGINE, "run", "--rm", "--name", self.name, "--network", "none", "--read-only", "--tmpfs", "/tmp:exec"]
+        command = [ENGINE, "run", "--rm", "--name", self.name, "--network", network, "--read-only", "--tmpfs", "/tmp:exec"]
         if ENGINE == "podman":
             command.append("--read-only-tmpfs=false")  # podman would add tmpfs on /run and /var/tmp; docker and Kubernetes do not
         command += ["--shm-size", "1g", "--stop-timeout", "120", "-v", f"{output}:/output"]
@@ -120,6 +121,6 @@ def remove_all() -> None:
             container.remove()
 
 
-def run(output: Path, env: dict[str, str], log: Path, args: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> int:
+def run(output: Path, env: dict[str, str], log: Path, args: tuple[str, ...] = (), flags: tuple[str, ...] = (), network: str = "none") -> int:
     """Run the image to its end; return its exit code."""
-    return Container(output, env, log, args, flags).wait()
+    return Container(output, env, log, args, flags, network).wait()

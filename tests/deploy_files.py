@@ -6,6 +6,7 @@ A missing validator fails the test that needs it instead of skipping it: CI inst
 
 from __future__ import annotations
 
+import copy
 import json
 import shlex
 import shutil
@@ -107,6 +108,57 @@ def pod_failure_rule(job: dict, container: str, exit_code: int | None = None, co
             if (condition["type"], condition.get("status", "True")) in conditions:
                 return index, rule
     return None
+
+
+ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
+TRAINER_PORT = 29500  # the Trainer's PET_MASTER_PORT and the container port it adds
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # the annotation (and label) the Job controller sets on each pod
+
+
+def node_job(trainjob: dict, runtime: dict) -> tuple[dict, dict]:
+    """The node Job and the JobSet spec that Kubeflow Trainer 2.3 and JobSet 0.12 make from a TrainJob and the
+    runtime (TrainingRuntime or ClusterTrainingRuntime) it references, as far as fulltune's manifests use them: the
+    runtime's JobSet template with each of the TrainJob's runtimePatches merged in (a strategic merge), the TrainJob's
+    trainer fields on the container named "node", the torch policy's PET_* variables, and JobSet's defaults (Indexed
+    completion, OnFailure restarts, one DNS subdomain named after the JobSet, which is named after the TrainJob).
+    Pod i's host name is then <job>-i, i.e. <trainjob>-node-0-i."""
+    ref = trainjob["spec"]["runtimeRef"]
+    assert (ref.get("apiGroup"), ref.get("kind"), ref["name"]) == ("trainer.kubeflow.org", runtime["kind"], runtime["metadata"]["name"])
+    name, namespace = trainjob["metadata"]["name"], trainjob["metadata"]["namespace"]
+    jobset = copy.deepcopy(runtime["spec"]["template"]["spec"])
+    for patch in trainjob["spec"].get("runtimePatches", []):
+        strategic_merge(jobset, patch["trainingRuntimeSpec"]["template"]["spec"])
+    (replicated,) = [r for r in jobset["replicatedJobs"] if r["template"]["metadata"]["labels"].get(ANCESTOR) == "trainer"]
+    trainer = trainjob["spec"]["trainer"]
+    nodes = trainer.get("numNodes", runtime["spec"]["mlPolicy"].get("numNodes", 1))
+    spec = replicated["template"]["spec"]
+    spec.setdefault("completionMode", "Indexed")
+    spec["parallelism"] = spec["completions"] = nodes
+    job_name = f"{name}-{replicated['name']}-0"
+    pod = spec["template"]
+    pod.setdefault("metadata", {}).setdefault("labels", {}).update(
+        {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"]}
+    )
+    pod["spec"].setdefault("restartPolicy", "OnFailure")
+    if jobset.get("network", {}).get("enableDNSHostnames", True):
+        pod["spec"]["subdomain"] = jobset.get("network", {}).get("subdomain", name)
+    (container,) = [c for c in pod["spec"]["containers"] if c["name"] == "node"]
+    for field in ("image", "command", "args"):
+        if field in trainer:
+            container[field] = trainer[field]
+    if "resourcesPerNode" in trainer:
+        container["resources"] = strategic_merge(container.get("resources", {}), trainer["resourcesPerNode"])
+    pet = [
+        {"name": "PET_NNODES", "value": str(nodes)},
+        {"name": "PET_NPROC_PER_NODE", "value": str(trainer.get("numProcPerNode", "auto"))},
+        {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}},
+        {"name": "PET_MASTER_ADDR", "value": f"{name}-{replicated['name']}-0-0.{name}"},
+        {"name": "PET_MASTER_PORT", "value": str(TRAINER_PORT)},
+    ]
+    strategic_merge(container, {"env": trainer.get("env", []) + pet, "ports": [{"containerPort": TRAINER_PORT}]})
+    metadata = {"name": job_name, "namespace": namespace, "labels": {"jobset.sigs.k8s.io/jobset-name": name},
+                "annotations": trainjob["metadata"].get("annotations", {})}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}, jobset
 
 
 # Kubernetes' strategic merge patch keys (patchMergeKey) for the lists these manifests patch; other lists are replaced.

@@ -75,7 +75,7 @@ def test_aws_batch_job_definition_validates_and_retries_by_exit_code():
     retry = spec["retryStrategy"]
     for code in (2, 4, 5, 6):  # bad configuration, out of GPU memory, diverged, volume full: a retry cannot help
         assert _batch_action(retry, code) == "EXIT", code
-    for code in (1, 3, 7, 75, 76, 137, 143):  # unexpected, registration only, volume leased by another job, stopped, killed (OOMKilled, SIGTERM)
+    for code in (1, 3, 7, 75, 76, 77, 137, 143):  # unexpected, registration only, volume leased by another job, stopped, stuck, killed (OOMKilled, SIGTERM)
         assert _batch_action(retry, code) == "RETRY", code
     assert _batch_action(retry, None, "Host EC2 (instance i-0abc) terminated.") == "RETRY"  # Spot reclaim
     assert len(retry["evaluateOnExit"]) <= 5  # the service's limit

@@ -183,6 +183,38 @@ def test_stop_exits_75_with_a_committed_checkpoint_and_train_resumes_to_the_unin
     assert difference <= 1e-5
 
 
+def test_the_image_reads_s3_data_and_mirrors_to_s3_through_aws_endpoint_url(shared, say):
+    """The packages an s3:// URL needs are in the image: moto's S3 server on the host's loopback, the container on the host's network."""
+    import json
+
+    from s3server import SECRET_KEY, S3Server
+
+    from trainer.data import demo
+
+    (shared / "s3").mkdir()
+    server = S3Server(shared / "s3").start()
+    try:
+        fs = server.filesystem()
+        fs.mkdir("fulltune-data")
+        fs.mkdir("fulltune-mirror")
+        fs.pipe("fulltune-data/chats/train.jsonl", "".join(json.dumps(row) + "\n" for row in demo.conversations(200, seed=5)).encode())
+        out = image_volume(shared / "s3-volume")
+        env = DEMO | server.env() | {"FT_MAX_STEPS": "6", "FT_EVAL_STEPS": "3", "FT_SAVE_STEPS": "6", "FT_DATASET": "s3://fulltune-data/chats/train.jsonl",
+                                    "FT_MIRROR_URL": "s3://fulltune-mirror/container"}
+        started = time.monotonic()
+        code = containers.run(out, env, shared / "s3.log", network="host")
+        log = (shared / "s3.log").read_text()
+        say(f"demo job, 6 steps, s3:// data and an s3:// mirror: {time.monotonic() - started:.1f} s in the container, exit {code}")
+        assert code == 0, log[-4000:]
+        assert "train: FT_DATASET='s3://fulltune-data/chats/train.jsonl', format messages: 200 rows read" in log
+        assert "mirrored checkpoint at step 6: s3://fulltune-mirror/container/checkpoints/checkpoint-6" in log
+        final = json.loads(fs.cat("fulltune-mirror/container/final/commit.json"))
+        assert fs.cat("fulltune-mirror/container/final/model/model.safetensors") == (out / "final" / "model" / "model.safetensors").read_bytes()
+        assert "model/model.safetensors" in final["files"] and SECRET_KEY not in log
+    finally:
+        server.stop()
+
+
 def entrypoint_handles_sigterm(job: Container) -> bool:
     """Whether entrypoint.py (tini's child) has installed its SIGTERM handler, read from /proc in the container."""
     probe = (

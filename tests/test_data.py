@@ -148,8 +148,8 @@ def test_object_store_url_is_read_through_fsspec(tmp_path):
 
 @pytest.mark.faults("an s3:// dataset without s3fs installed")
 def test_s3_url_without_s3fs_exits_2_naming_the_package(tmp_path, monkeypatch):
-    # s3fs is optional (only s3:// data needs it; it is not in requirements.txt): hide it, so the test runs
-    # whether or not this machine has it.  fsspec is a hard dependency (datasets requires it) and is not skipped.
+    # The image has s3fs (requirements.txt); a machine installed by hand may not: hidden here, as it is there.
+    # fsspec is a hard dependency (datasets requires it) and is not hidden.
     monkeypatch.setitem(sys.modules, "s3fs", None)  # `import s3fs` now raises ImportError
     with pytest.raises(DataError, match=r"needs the s3fs package.*pip install s3fs"):
         prepare(tmp_path, "s3://bucket/train.jsonl")

@@ -408,6 +408,10 @@ ELSEWHERE = {
     "FT_EARLY_STOPPING_PATIENCE": "test_a_run_whose_eval_loss_rises_stops_early_with_exit_0_and_the_best_checkpoint_as_final_model",
     "FT_EVAL_SAMPLES": "test_the_same_validation_prompts_are_answered_at_step_0_and_at_each_evaluation",
     "FT_EVAL_SAMPLE_TOKENS": "test_each_answer_is_what_transformers_generates_greedily_from_that_steps_weights",
+    "FT_METRICS_PORT": "test_metrics_show_the_step_rising_tokens_per_s_and_the_time_since_the_last_step_resetting",  # a free port; 0 elsewhere
+    # 3 (and 0: never) there, with FT_STUCK_EXIT false and true; 1800 elsewhere
+    "FT_STUCK_AFTER_SECONDS": "test_a_hung_job_is_flagged_stuck_once_and_with_stuck_exit_ends_77_saving_nothing",
+    "FT_STUCK_EXIT": "test_a_hung_job_is_flagged_stuck_once_and_with_stuck_exit_ends_77_saving_nothing",
 }
 
 

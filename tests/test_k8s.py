@@ -113,7 +113,9 @@ def test_pod_failure_policy_fails_at_once_on_bad_config_and_does_not_count_preem
         assert _policy_action(job, 137, {("DisruptionTarget", "True")}) == "Ignore"  # drained or preempted node
         assert _policy_action(job, 1) == "Count"
         assert _policy_action(job, 3) == "Count"  # registration failed: the retry only registers
+        assert _policy_action(job, 8) == "Count"  # the mirror or the hub did not get the model: the retry only uploads
         assert _policy_action(job, 7) == "Count"  # another job holds the volume's lease: a few retries with back-off, then fail naming it
+        assert _policy_action(job, 77) == "Count"  # stuck (FT_STUCK_EXIT=true): retried, resuming, maybe on another node
         spec = job["spec"]
         assert spec["template"]["spec"]["restartPolicy"] == "Never"
         assert spec["backoffLimit"] >= 1 and spec["activeDeadlineSeconds"] > 0 and spec["ttlSecondsAfterFinished"] > 0

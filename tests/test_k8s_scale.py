@@ -15,14 +15,27 @@ import subprocess
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_files import REPO, SCALE_OVERLAYS, dockerfile, entrypoint, image_env, one, pod_failure_rule, render, strategic_merge, tool, unknown_fields
+from deploy_files import (
+    COMPLETION_INDEX,
+    REPO,
+    SCALE_OVERLAYS,
+    TRAINER_PORT,
+    dockerfile,
+    entrypoint,
+    image_env,
+    node_job,
+    one,
+    pod_failure_rule,
+    render,
+    tool,
+    unknown_fields,
+)
 from kubeflow_trainer_api.models import TrainerV1alpha1TrainingRuntime, TrainerV1alpha1TrainJob
 
 from trainer.core import cluster, config, settings
 
 KUBERNETES_VERSION = "1.33.0"
 TRAINER_KINDS = {"TrainJob": TrainerV1alpha1TrainJob, "TrainingRuntime": TrainerV1alpha1TrainingRuntime}
-COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # the annotation (and label) the Job controller sets on each pod
 
 
 @pytest.fixture(scope="module")
@@ -55,55 +68,13 @@ def with_kueue(tmp_path_factory):
 
 # -- What the Trainer makes of the TrainJob -------------------------------------------------------
 
-ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
-TRAINER_PORT = 29500  # the Trainer's PET_MASTER_PORT and the container port it adds
-
-
 def trainjob_node_job(objects):
-    """The node Job that Kubeflow Trainer 2.3 and JobSet 0.12 make from the rendered TrainJob, as far as fulltune's
-    manifests use them: the runtime's JobSet template with each of the TrainJob's runtimePatches merged in
-    (a strategic merge), the TrainJob's trainer fields on the container named "node", the torch policy's PET_*
-    variables, and JobSet's defaults (Indexed completion, OnFailure restarts, one DNS subdomain named after the
-    JobSet, which is named after the TrainJob).  Pod i's host name is then <job>-i, i.e. <trainjob>-node-0-i."""
+    """The node Job and the JobSet spec that Kubeflow Trainer makes from the rendered TrainJob (deploy_files.node_job)."""
     trainjob, runtime = one(objects, "TrainJob"), one(objects, "TrainingRuntime")
     ref = trainjob["spec"]["runtimeRef"]
     assert (ref.get("apiGroup"), ref.get("kind"), ref["name"]) == ("trainer.kubeflow.org", "TrainingRuntime", runtime["metadata"]["name"])
-    name, namespace = trainjob["metadata"]["name"], trainjob["metadata"]["namespace"]
-    assert runtime["metadata"]["namespace"] == namespace  # a TrainingRuntime serves TrainJobs of its own namespace
-    jobset = copy.deepcopy(runtime["spec"]["template"]["spec"])
-    for patch in trainjob["spec"].get("runtimePatches", []):
-        strategic_merge(jobset, patch["trainingRuntimeSpec"]["template"]["spec"])
-    (replicated,) = [r for r in jobset["replicatedJobs"] if r["template"]["metadata"]["labels"].get(ANCESTOR) == "trainer"]
-    trainer = trainjob["spec"]["trainer"]
-    nodes = trainer.get("numNodes", runtime["spec"]["mlPolicy"].get("numNodes", 1))
-    spec = replicated["template"]["spec"]
-    spec.setdefault("completionMode", "Indexed")
-    spec["parallelism"] = spec["completions"] = nodes
-    job_name = f"{name}-{replicated['name']}-0"
-    pod = spec["template"]
-    pod.setdefault("metadata", {}).setdefault("labels", {}).update(
-        {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"]}
-    )
-    pod["spec"].setdefault("restartPolicy", "OnFailure")
-    if jobset.get("network", {}).get("enableDNSHostnames", True):
-        pod["spec"]["subdomain"] = jobset.get("network", {}).get("subdomain", name)
-    (container,) = [c for c in pod["spec"]["containers"] if c["name"] == "node"]
-    for field in ("image", "command", "args"):
-        if field in trainer:
-            container[field] = trainer[field]
-    if "resourcesPerNode" in trainer:
-        container["resources"] = strategic_merge(container.get("resources", {}), trainer["resourcesPerNode"])
-    pet = [
-        {"name": "PET_NNODES", "value": str(nodes)},
-        {"name": "PET_NPROC_PER_NODE", "value": str(trainer.get("numProcPerNode", "auto"))},
-        {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}},
-        {"name": "PET_MASTER_ADDR", "value": f"{name}-{replicated['name']}-0-0.{name}"},
-        {"name": "PET_MASTER_PORT", "value": str(TRAINER_PORT)},
-    ]
-    strategic_merge(container, {"env": trainer.get("env", []) + pet, "ports": [{"containerPort": TRAINER_PORT}]})
-    metadata = {"name": job_name, "namespace": namespace, "labels": {"jobset.sigs.k8s.io/jobset-name": name},
-                "annotations": trainjob["metadata"].get("annotations", {})}
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}, jobset
+    assert runtime["metadata"]["namespace"] == trainjob["metadata"]["namespace"]  # a TrainingRuntime serves TrainJobs of its own namespace
+    return node_job(trainjob, runtime)
 
 
 @pytest.fixture(scope="module")
@@ -409,6 +380,7 @@ def test_trainjob_failure_policy_keeps_the_exit_code_contract_for_all_nodes_at_o
     assert stopped == ["RestartJobSetAndIgnoreMaxRestarts"] * 2 and disrupted == "RestartJobSetAndIgnoreMaxRestarts"
     assert _jobset_action(job, jobset, 1) == _jobset_action(job, jobset, 3) == _jobset_action(job, jobset, 137) == "RestartJobSet"
     assert _jobset_action(job, jobset, 7) == "RestartJobSet"  # another job holds the volume's lease: counted restarts, then fail
+    assert _jobset_action(job, jobset, 77) == "RestartJobSet"  # stuck (FT_STUCK_EXIT=true): counted restarts
     policy = jobset["failurePolicy"]
     assert policy["maxRestarts"] >= 1
     assert policy["restartStrategy"] == "BlockingRecreate"  # no new pod while an old one may still be writing the volume

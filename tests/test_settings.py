@@ -25,7 +25,8 @@ PUBLIC_NAMES = {
     "FT_LOSS_LIMIT", "FT_ALLOW_PICKLE_WEIGHTS",
     "FT_NUM_PROCESSES", "FT_DISTRIBUTED", "FT_NUM_NODES", "FT_NODE_RANK", "FT_MASTER_ADDR", "FT_MASTER_PORT",
     "FT_COLLECTIVE_TIMEOUT_SECONDS", "FT_EARLY_STOPPING_PATIENCE", "FT_EVAL_SAMPLES",
-    "FT_EVAL_SAMPLE_TOKENS", "FT_LOG_LEVEL",
+    "FT_EVAL_SAMPLE_TOKENS", "FT_LOG_LEVEL", "FT_METRICS_PORT", "FT_STUCK_AFTER_SECONDS", "FT_STUCK_EXIT",
+    "FT_MIRROR_URL", "FT_MIRROR_WAIT_SECONDS", "FT_PUSH_TO_HUB", "FT_HUB_PRIVATE",
 }
 
 
@@ -73,11 +74,25 @@ def test_an_unknown_ft_variable_is_rejected_and_a_secret_looking_value_is_masked
         ({"FT_SAVE_STEPS": "30"}, r"FT_SAVE_STEPS='30': must be a multiple of FT_EVAL_STEPS=25"),
         ({"FT_EVAL_FRACTION": "1.5"}, r"FT_EVAL_FRACTION='1.5': must be >= 0 and < 1"),
         ({"FT_REGISTERED_MODEL": "a.b.c.d"}, r"FT_REGISTERED_MODEL='a.b.c.d': must be `model` or `catalog.schema.model`"),
+        ({"FT_METRICS_PORT": "29500"}, r"FT_METRICS_PORT='29500': must differ from FT_MASTER_PORT=29500, where node 0 holds the processes' rendezvous"),
+        ({"FT_METRICS_PORT": "65536"}, r"FT_METRICS_PORT='65536': out of range \(allowed: an integer >= 0 and <= 65535\)"),
+        ({"FT_MIRROR_URL": "/mnt/backup"}, r"FT_MIRROR_URL='/mnt/backup': must be an object-store folder: s3://bucket/path"),
+        ({"FT_PUSH_TO_HUB": "my-model"}, r"FT_PUSH_TO_HUB='my-model': must be a hub repository id, `org/name`"),
     ],
 )
 def test_invalid_setting_is_named_with_what_is_allowed(env, message):
     with pytest.raises(ConfigError, match=message):
         settings.load(env | {"FT_PLATFORM": "none"})
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(("variable", "url"), [("FT_MIRROR_URL", "s3://AKIAEXAMPLE:pw-in-url-0123@bucket/run1"),
+                                              ("FT_DATASET", "az://data/train.jsonl?sv=2024&sig=pw-in-url-0123")])
+def test_an_object_store_url_holding_a_credential_exits_2_without_showing_it(variable, url):
+    """The URL settings reach the log, the MLflow params and the run report: a credential in one is refused, and the refusal masks it."""
+    with pytest.raises(ConfigError, match=rf"{variable}='(s3|az)://\S*\*\*\*\*\S*': must not hold a (credential|query string)") as caught:
+        settings.load({variable: url, "FT_PLATFORM": "none"})
+    assert "pw-in-url" not in str(caught.value)
 
 
 def test_explicit_variables_override_the_demo_preset():

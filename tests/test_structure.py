@@ -35,8 +35,9 @@ def _name(path: Path) -> str:
 
 
 # The folders of trainer/ in the order their imports point: a folder imports only from folders before it (and itself).
-# launch/ and core/ run before torch is imported; serving/ is copied into the saved model and imports nothing of fulltune.
-LAYERS = {"core": 0, "launch": 1, "data": 1, "model": 2, "checkpointing": 3, "tracking": 4}
+# launch/ and core/ run before torch is imported; serving/ is copied into the saved model and imports nothing of fulltune;
+# telemetry/ (what the cluster sees) is fed by the job and the progress callback and imports only core/, and no torch.
+LAYERS = {"core": 0, "launch": 1, "data": 1, "telemetry": 1, "model": 2, "checkpointing": 3, "tracking": 4}
 
 
 def test_the_folders_imports_point_one_way():
@@ -54,6 +55,7 @@ def test_the_folders_imports_point_one_way():
                        if target == "job" or source == "serving" or (source in LAYERS and LAYERS.get(target, -1) >= LAYERS[source]))
     assert backwards == []
     assert {(source, target) for source, target, _ in edges if source == "launch"} <= {("launch", "core")}
+    assert {(source, target) for source, target, _ in edges if source == "telemetry"} <= {("telemetry", "core")}
 
 
 def test_only_the_tracking_folder_imports_mlflow():
@@ -100,12 +102,13 @@ def test_only_the_volume_module_builds_paths_under_the_output_folder():
 
 def test_entrypoint_and_the_contract_import_no_torch():
     """entrypoint.py validates before torch is imported, so a typo exits 2 within a second: importing it, with every
-    module of core/ and launch/, in a fresh interpreter loads none of the heavy libraries."""
+    module of core/ and launch/, in a fresh interpreter loads none of the heavy libraries.  Nor does telemetry/: what
+    the cluster sees of the job never waits on them."""
     import subprocess
     import sys
 
     modules = ["entrypoint"] + [
-        f"trainer.{path.parent.name}.{path.stem}" for folder in ("core", "launch") for path in sorted((ROOT / "trainer" / folder).glob("*.py"))
+        f"trainer.{path.parent.name}.{path.stem}" for folder in ("core", "launch", "telemetry") for path in sorted((ROOT / "trainer" / folder).glob("*.py"))
     ]
     heavy = ["torch", "transformers", "mlflow", "trl", "datasets", "accelerate"]
     probe = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint(sorted(set({heavy!r}) & set(sys.modules)))"

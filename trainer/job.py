@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
-from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption
+from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption, restore, uploads
 from trainer.core import config as job_config
 from trainer.core import devices, locations, ranks
 from trainer.core import settings as settings_table
@@ -27,7 +27,8 @@ from trainer.data import prepare as data
 from trainer.launch import launcher
 from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
-from trainer.tracking import overview, packaging, progress, quiet, report, samples, summary
+from trainer.telemetry.feed import Telemetry
+from trainer.tracking import copies, hub_push, overview, packaging, progress, quiet, report, samples, summary
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker
@@ -35,7 +36,7 @@ from trainer.tracking.run import Tracker
 STARTED = time.perf_counter()  # the training process's start, for the summary line and FT_LOG_LEVEL=debug's timings
 
 
-def run(config: Config, tracker: Tracker) -> None:
+def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     settings = config.settings
     stopper = preemption.StopOnSignal(settings.stop_deadline_seconds)  # first: a stop during loading is seen
     quiet.quiet_libraries(settings.log_level)
@@ -45,40 +46,59 @@ def run(config: Config, tracker: Tracker) -> None:
     status = volume.status()
     if status.final_model or status.registered:
         job_config.check_finished_job(config)  # a finished volume re-run with other settings trains nothing: say so (exit 2), never exit 0
-    if done := status.done(registering=bool(settings.registered_model)):
+    if done := status.done(registering=bool(settings.registered_model), mirror=copies.mirror_name(settings), hub=settings.push_to_hub):
         print(f"fulltune: this job already finished ({done}): nothing to do", flush=True)
         return
     tracking_server.check_reachable()  # seconds, before anything is downloaded, when MLFLOW_TRACKING_URI names a server that does not answer
     tracker.warm_up()  # MLflow imported and the URI checked in the background, while the plan and the data are checked
-    if status.final_model:  # trained and saved by an earlier attempt whose registration (or tracking) failed (exit 3)
+    if status.final_model:  # trained and saved by an earlier attempt whose registration, tracking (exit 3) or delivery (exit 8) failed
         if ranks.is_main():
+            telemetry.stage("registering")
             with tracker:
                 _register(config, volume, status.metadata, tracker)
+            copies.deliver(config, volume, None)
         return
 
     if settings.preset == "demo":
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
+    hub_push.check_token(settings)  # FT_PUSH_TO_HUB without a token: exit 2 now, not after training
     plan = stepdown.resumed(config, memory.preflight(config))  # from config.json alone: exit 2 before weights or data are downloaded
+    mirror = ranks.main_first(lambda: restore.from_mirror(config, volume))  # FT_MIRROR_URL: its newest checkpoint, when newer than the volume's
     layout.check_resumable(manifest.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     job_config.check_fingerprint(config)
+    mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint()) if mirror else None
+    if mirroring:
+        mirroring.committed()  # the fingerprint, and what an earlier attempt committed but did not upload
     overview.print_plan(config, prepared, plan)
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
     with tracker:
         tracker.log(**data_report.tracked(prepared.report))
         run_report = report.RunReport(_report_facts(config, plan, prepared), tracker, committed=lambda: _committed(volume))
-        trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker)
+        try:
+            trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, telemetry, mirroring)
+        except Preempted:
+            uploads.after_stop(mirroring, stopper)
+            raise
+        telemetry.stage("saving")
         metadata = save_final(config, trainer, tokenizer, volume, tracker)
         if ranks.is_main():
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
+            if settings.push_to_hub:
+                hub_push.write_card(config, volume, metadata, tracker, trainer.state)
+            if mirroring:
+                mirroring.final()  # uploaded while the model is registered
+            if settings.registered_model:
+                telemetry.stage("registering")
             try:
                 _register(config, volume, metadata, tracker)
             finally:
                 run_report.finished()  # also after a failed registration (exit 3): it says where the model is
+    copies.deliver(config, volume, mirroring)  # FT_MIRROR_URL holds it all (exit 8 past FT_MIRROR_WAIT_SECONDS), then FT_PUSH_TO_HUB
 
 
 def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared) -> report.ReportFacts:
@@ -107,14 +127,17 @@ def _debug(settings: Any, stage: str) -> None:
 
 
 def build_trainer(
-    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = ()
+    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = (),
+    telemetry: Telemetry | None = None, after_commit: Any = None,
 ) -> Any:
     """The job's SFTTrainer for a configuration (bench/ measures exactly this one).
 
     `tracker`: the job's run (none: a Trainer that tracks nothing); `net`: an already built model instead of
-    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B).
+    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B); `telemetry`: what the cluster sees (none: nothing);
+    `after_commit(folder)`: told of each committed checkpoint.
     """
     from transformers import EarlyStoppingCallback, PrinterCallback
+    from transformers.integrations import KubeflowCallback
 
     settings, cuda = config.settings, config.cuda
     tracker = tracker or Tracker(config, enabled=False)
@@ -126,7 +149,7 @@ def build_trainer(
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
     refuse = divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete)  # a NaN save never counts
-    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda)
+    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda, after_commit=after_commit)
     trainer = sharding.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer, saving in the background; under FSDP it shards on CPU processes too
         model=net,
         args=args,
@@ -142,17 +165,19 @@ def build_trainer(
             *samples.callbacks(config, tokenizer, prepared, plan, tracker),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             MetricsCallback(tracker),
-            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs),
+            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs, telemetry),
             # last: the diverged loss is logged and printed first
             divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit, settle=saver.wait_for_saves),
         ],
     )
     trainer.remove_callback(PrinterCallback)  # it prints each raw `logs` dict after the progress line (disable_tqdm=True installs it)
+    trainer.remove_callback(KubeflowCallback)  # added by TrainingArguments under Kubeflow Trainer; trainer/telemetry/kubeflow.py reports instead
     return trainer
 
 
 def train(
-    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport, tracker: Tracker
+    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport,
+    tracker: Tracker, telemetry: Telemetry, mirroring: uploads.Uploads | None = None,
 ) -> Any:
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
@@ -163,7 +188,8 @@ def train(
         resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
         if stopper.requested:
             raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch))
+        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry,
+                                after_commit=mirroring.committed if mirroring else None)
         trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
         tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
         print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
@@ -256,14 +282,16 @@ def main() -> int:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one progress log per job: rank 0's (errors still reach stderr)
     preemption.end_with_the_launcher()
     config = tracker = None
+    telemetry = Telemetry()
     try:
         config = job_config.handed_over()
+        telemetry = Telemetry.start(config)  # the metrics endpoint and the TrainJob status, from before the first step
         if ranks.world_size() == 1:  # torchrun's ranks got accelerate's environment from the launcher
             os.environ.update(launcher.accelerate_environment(use_cpu=not config.cuda))
         devices.check_torch_agrees(config.cuda)
         tracker = Tracker(config)
         with diskfull.reported(config.settings.output_dir, lambda: diskfull.elsewhere(Volume(config.settings.output_dir))):
-            run(config, tracker)
+            run(config, tracker, telemetry)
         code = 0
     except BaseException as error:  # noqa: BLE001 - every ending maps to an exit code
         if isinstance(error, SystemExit):
@@ -276,6 +304,7 @@ def main() -> int:
     if ranks.is_main() and config is not None:
         settings = config.settings
         print(summary.line(code, time.perf_counter() - STARTED, tracker, settings.output_dir, settings.max_steps), flush=True)
+    telemetry.close(code)  # 100 % only here, for exit 0: trained, saved and registered
     sys.stdout.flush()
     record_exit(code)
     return code

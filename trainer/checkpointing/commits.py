@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 
 from transformers import TrainerCallback
 
@@ -87,8 +88,10 @@ class CommitCheckpoints(TrainerCallback):
     `every_minutes`: also save at the first evaluation step once that many minutes have passed since the last save.
     """
 
-    def __init__(self, keep: int, refuse: TrainerCallback | None = None, every_minutes: float = 0.0, pinned: bool = False):
+    def __init__(self, keep: int, refuse: TrainerCallback | None = None, every_minutes: float = 0.0, pinned: bool = False,
+                 after_commit: Callable[[str], None] | None = None):
         self.keep = keep
+        self.after_commit = after_commit  # uploads.Uploads.committed: FT_MIRROR_URL gets it in the background
         self.refuse = refuse  # divergence.RefuseNonFiniteCheckpoint: a save whose weights are not finite never counts
         self.every_seconds = every_minutes * 60
         self.saves = saving.Saves(pinned)
@@ -129,6 +132,8 @@ class CommitCheckpoints(TrainerCallback):
         rotate(os.path.dirname(folder), self.keep, best)
         self.saves.costs.bytes = committed_bytes(folder)
         print(f"fulltune: committed checkpoint at step {step}: {folder}", flush=True)
+        if self.after_commit is not None:
+            self.after_commit(folder)
 
     def wait_for_saves(self) -> None:
         """Every rank returns once the save in flight (on the main rank) is committed."""

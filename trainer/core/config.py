@@ -215,22 +215,30 @@ def check_volume(config: Config) -> None:
         _refuse_other_configuration(config)
 
 
-def _refuse_other_configuration(config: Config) -> list[str]:
-    """Exit 2 naming each setting that differs from the volume's; the differences FT_ALLOW_CONFIG_CHANGE=true allows."""
+def _refuse_other_configuration(config: Config, recorded: dict[str, str] | None = None, where: str | None = None) -> list[str]:
+    """Exit 2 naming each setting that differs from the volume's (or from `recorded`, the fingerprint kept `where`: the
+    mirror, trainer/checkpointing/mirror.py); the differences FT_ALLOW_CONFIG_CHANGE=true allows."""
     settings = config.settings
-    if (differences := fingerprint_differences(config)) and not settings.allow_config_change:
+    if (differences := fingerprint_differences(config, recorded)) and not settings.allow_config_change:
         raise ConfigError(
-            f"the checkpoints in {settings.output_dir} belong to a different configuration ("
+            f"the checkpoints in {where or settings.output_dir} belong to a different configuration ("
             + "; ".join(differences)
             + "). Use a new FT_OUTPUT_DIR, restore the settings, or set FT_ALLOW_CONFIG_CHANGE=true to resume anyway."
         )
     return differences
 
 
-def fingerprint_differences(config: Config) -> list[str]:
-    """Each setting that changes the result and differs from what the volume's checkpoints (or final model) were made with."""
-    current, recorded = config.fingerprint(), read_json(Volume(config.settings.output_dir).fingerprint_file) or {}
-    return [f"{k}: {recorded.get(k)!r} on the volume, {current.get(k)!r} now"
+def check_recorded(config: Config, recorded: dict[str, str], where: str) -> list[str]:
+    """Exit 2 when the fingerprint kept `where` (the mirror's) is another configuration's; the differences allowed."""
+    return _refuse_other_configuration(config, recorded, where)
+
+
+def fingerprint_differences(config: Config, recorded: dict[str, str] | None = None) -> list[str]:
+    """Each setting that changes the result and differs from what the volume's checkpoints (or final model, or `recorded`:
+    a mirror's) were made with."""
+    current, on = config.fingerprint(), "on the volume" if recorded is None else "in the mirror"
+    recorded = recorded if recorded is not None else read_json(Volume(config.settings.output_dir).fingerprint_file) or {}
+    return [f"{k}: {recorded.get(k)!r} {on}, {current.get(k)!r} now"
             for k in {**recorded, **current} if recorded and recorded.get(k) != current.get(k)]
 
 

@@ -13,7 +13,7 @@ EXIT_CODES = {
        "finished; also a re-run of a job that already finished with the same settings (nothing runs again).",
     1: "Unexpected failure: a bug or an infrastructure fault (printed with a traceback), or, within seconds, before anything is downloaded or "
        "written and without a traceback: the Hugging Face hub not answering for a hub id in FT_MODEL, FT_DATASET or FT_EVAL_DATASET (the message "
-       "says how to run offline), or the MLflow server in MLFLOW_TRACKING_URI not answering at start. "
+       "says how to run offline), or the MLflow server in MLFLOW_TRACKING_URI, or the object store of FT_MIRROR_URL, not answering at start. "
        "A retry may help; it resumes from the last committed checkpoint.",
     2: "Bad configuration or input, found before training, no traceback: an invalid or unknown FT_* value, a misspelled (\"did you mean\") or "
        "lowercase name (all reported together, within a second); a local FT_MODEL or FT_DATASET that does not exist, or a hub id that is neither "
@@ -23,6 +23,7 @@ EXIT_CODES = {
        "FT_TRUST_REMOTE_CODE; a preflight that does not fit GPU memory or the volume (FT_PREFLIGHT=fail); data that cannot be read or has bad "
        "rows (FT_BAD_ROWS=fail); a chat template FT_LOSS_ON=assistant cannot mask; checkpoints on the volume from another configuration, or "
        "written under FSDP for a job without it (or the reverse, or in the gathered FSDP layout of earlier versions); "
+       "a mirror (FT_MIRROR_URL) written by another configuration, or one whose bucket does not exist or refuses the credentials; "
        "an MLflow URI this MLflow cannot use; a training process started without entrypoint.py; "
        "`entrypoint.py plan` for a job that does not fit the card. A retry cannot help: fix the named variable, file or row.",
     3: "The model was trained and saved, but registration in MLflow failed, or the MLflow server did not answer "
@@ -44,11 +45,18 @@ EXIT_CODES = {
        "other job's host, pid and start time. Also a running job whose lease another job took over after it went FT_LEASE_SECONDS without "
        "refreshing it (a stalled volume or a network partition): it stops at once without saving. A retry helps once the other job has ended "
        "(its lease is released) or stopped refreshing for FT_LEASE_SECONDS (it is then taken over); or use another FT_OUTPUT_DIR.",
+    8: "The model was trained and saved on the volume (and registered), but a copy it was to send elsewhere is not there yet: FT_MIRROR_URL did "
+       "not take the final model or the last checkpoints within FT_MIRROR_WAIT_SECONDS (the bucket did not answer or refused them), or "
+       "FT_PUSH_TO_HUB could not push it to the Hugging Face hub. The message names what is missing and why. A retry skips training: it only "
+       "uploads or pushes what is missing.",
     75: "Stopped by SIGTERM/SIGINT after committing a checkpoint (a second signal after the commit ends the job at once, still 75). A retry resumes "
         "from it. Also a job on several nodes where one process ran out of GPU memory: the next plan down is recorded on the volume and every node "
         "ends (on one node the job restarts its processes there by itself); the retry starts at that plan from the last committed checkpoint.",
     76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while "
         "the training process was starting. A retry resumes from the previous committed checkpoint.",
+    77: "Stuck: no optimizer step for FT_STUCK_AFTER_SECONDS while training, with FT_STUCK_EXIT=true (a hung GPU, node, volume or "
+        "collective), no traceback. The job ends at once without saving, so that the scheduler starts it again (Kubernetes counts it "
+        "against backoffLimit, as exit 1). A retry resumes from the last committed checkpoint.",
 }
 
 
@@ -148,6 +156,28 @@ class VolumeInUse(FulltuneError):
     show_traceback = False
 
 
+class MirrorBehind(FulltuneError):
+    """The model is on the volume, but FT_MIRROR_URL has not received all of it in time (trainer/checkpointing/uploads.py):
+    a retry only uploads."""
+
+    exit_code = 8
+    show_traceback = False
+
+
+class MirrorUnusable(FulltuneError):
+    """FT_MIRROR_URL cannot be read at start (no answer, no such bucket, no permission): nothing was trained or written."""
+
+    exit_code = 1
+    show_traceback = False
+
+
+class HubPushFailed(FulltuneError):
+    """The model is on the volume (and in the mirror), but pushing it to FT_PUSH_TO_HUB failed: a retry only pushes."""
+
+    exit_code = 8
+    show_traceback = False
+
+
 class Preempted(FulltuneError):
     """A stop signal arrived; the checkpoint at the current step is committed."""
 
@@ -159,4 +189,12 @@ class StopAbandoned(FulltuneError):
     """A second signal or the stop deadline cut the final save short."""
 
     exit_code = 76
+    show_traceback = False
+
+
+class Stuck(FulltuneError):
+    """No optimizer step for FT_STUCK_AFTER_SECONDS (trainer/telemetry/stuck.py): the training thread is hung, so the
+    process ends from the watch's thread; a new start, maybe on another node, resumes from the last committed checkpoint."""
+
+    exit_code = 77
     show_traceback = False

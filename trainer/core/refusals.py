@@ -33,9 +33,29 @@ def cross_checks(values: dict[str, Any]) -> dict[str, str]:
         problems["FT_NODE_RANK"] = f"must be below FT_NUM_NODES={values['num_nodes']} (nodes are numbered from 0)"
     if values["num_nodes"] > 1 and not values["master_addr"].strip():
         problems["FT_MASTER_ADDR"] = "must name node 0 (its host name or address) when FT_NUM_NODES > 1"
+    if values["metrics_port"] and values["metrics_port"] == values["master_port"]:
+        problems["FT_METRICS_PORT"] = f"must differ from FT_MASTER_PORT={values['master_port']}, where node 0 holds the processes' rendezvous"
+    problems.update(_object_store_urls(values))
     name = values["registered_model"]
     if name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
         problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"
+    return problems
+
+
+def _object_store_urls(values: dict[str, Any]) -> dict[str, str]:
+    """FT_MIRROR_URL is an object-store folder; no URL setting carries a credential (it would reach the logs and the
+    MLflow params); FT_PUSH_TO_HUB is `org/name`."""
+    from trainer.core import objectstore
+
+    problems = {}
+    mirror = values["mirror_url"].strip()
+    if mirror and objectstore.protocol(mirror) not in objectstore.STORES:
+        problems["FT_MIRROR_URL"] = "must be an object-store folder: s3://bucket/path, gs://bucket/path or az://container/path"
+    for name in ("mirror_url", "dataset", "eval_dataset"):
+        if why := objectstore.url_refusal(values[name]):
+            problems[f"FT_{name.upper()}"] = why
+    if values["push_to_hub"] and not re.fullmatch(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", values["push_to_hub"]):
+        problems["FT_PUSH_TO_HUB"] = "must be a hub repository id, `org/name` (letters, digits, -, _ and .)"
     return problems
 
 
@@ -54,4 +74,6 @@ def shown(name: str, value: str | None) -> str:
         return "<unset>"
     if SECRET_NAME.search(name):
         return "****"
-    return repr(value)
+    from trainer.core.objectstore import scrub
+
+    return repr(scrub(value))  # a URL's user:password@ or query string

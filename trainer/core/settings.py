@@ -117,6 +117,15 @@ class Settings:
     eval_sample_tokens: int = setting(128, "Most new tokens per sample answer (an answer also ends at the end-of-turn token).", minimum=1)
     logging_steps: int = setting(10, "Log loss, learning rate and throughput every N optimizer steps.", minimum=1)
     output_dir: str = setting("/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.")
+    # -- Object storage and the hub ------------------------------------------------------------
+    mirror_url: str = setting("", "An object-store folder (`s3://`, `gs://`, `az://`) that receives each committed checkpoint in the background "
+                                  "and the final model; a job on an empty volume resumes from it. Empty = none ([object storage](object-storage.md)).",
+                              group="Object storage and the hub")
+    mirror_wait_seconds: int = setting(600, "How long the end of the job waits for `FT_MIRROR_URL` to take the final model and the last checkpoints; "
+                                            "past it the job exits 8 with the model kept on the volume, and running it again only uploads.", minimum=0)
+    push_to_hub: str = setting("", "A Hugging Face hub repository (`org/name`) that receives the final model and a model card at the end "
+                                   "(`HF_TOKEN` with write access); empty = none ([the hub](object-storage.md#hugging-face-hub)).")
+    hub_private: bool = setting(True, "Create the `FT_PUSH_TO_HUB` repository private; a repository that exists keeps its visibility.")
     # -- Hardware ------------------------------------------------------------------------------------
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = setting("auto", "`auto`: `bf16-mixed` on a bf16-capable GPU, else `fp32`. `bf16-mixed` keeps "
                                                                                   "fp32 master weights and AdamW states and computes in bf16, so no update is "
@@ -175,6 +184,15 @@ class Settings:
                                                                     "exit (read by Kubernetes); empty = none.")
     log_level: Literal["info", "debug"] = setting("info", "What the job's log shows: `info`, fulltune's own lines (MLflow's and other libraries' INFO "
                                                           "lines left out); `debug` adds those and the start-up stage timings (docs/tracking-notes.md).")
+    # -- Monitoring ----------------------------------------------------------------------------------
+    metrics_port: int = setting(0, "Port of rank 0's Prometheus endpoint (`/metrics`: step, loss, tokens/s, MFU, memory, checkpoint cost, "
+                                   "seconds since the last optimizer step); 0 = none ([the metrics](cluster.md#metrics)).",
+                                minimum=0, maximum=65535, group="Monitoring")
+    stuck_after_seconds: int = setting(1800, "Seconds without an optimizer step, while training, after which the job logs that it is stuck (once) "
+                                             "and `fulltune_stuck` turns 1; keep it above the longest evaluation or checkpoint pause. 0 = never.",
+                                       minimum=0)
+    stuck_exit: bool = setting(False, "A stuck job also ends, with exit 77 (a retry resumes from the last committed checkpoint), so that the "
+                                      "scheduler can start it again, on another node if it picks one.")
     # -- Scaling out ---------------------------------------------------------------------------
     num_processes: int = setting(0, "Training processes on this node, one per GPU; 0 = every visible GPU (1 on CPU). More than one "
                                     "multiplies the effective batch: `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` × processes "

@@ -129,17 +129,28 @@ class Volume:
     def mark_registered(self, version: str) -> None:
         write_json(self.status_file, read_json(self.status_file, {}) | {"registered": version})
 
+    def mark_mirrored(self, url: str) -> None:
+        """The final model and the committed checkpoints are in FT_MIRROR_URL (`url`)."""
+        write_json(self.status_file, read_json(self.status_file, {}) | {"mirrored": url})
+
+    def mark_pushed(self, repository: str) -> None:
+        """The final model and its card are on the Hugging Face hub (FT_PUSH_TO_HUB)."""
+        write_json(self.status_file, read_json(self.status_file, {}) | {"pushed": repository})
+
 
 class Status:
     """What earlier attempts of this job finished: nothing, the final model, or the registration too."""
 
-    def __init__(self, final_model: str | None = None, metadata: dict[str, str] | None = None, registered: str | None = None, unsent_tracking: bool = False):
+    def __init__(self, final_model: str | None = None, metadata: dict[str, str] | None = None, registered: str | None = None, unsent_tracking: bool = False,
+                 mirrored: str | None = None, pushed: str | None = None):
         self.final_model, self.metadata, self.registered = final_model, metadata or {}, registered
         self.unsent_tracking = unsent_tracking  # metrics the tracking server never got: the job is not done until it has them
+        self.mirrored, self.pushed = mirrored, pushed  # where FT_MIRROR_URL and FT_PUSH_TO_HUB took the final model
 
-    def done(self, registering: bool) -> str | None:
-        """What the finished job left (a registered version or the model folder), or None if work remains."""
-        if self.unsent_tracking:
+    def done(self, registering: bool, mirror: str = "", hub: str = "") -> str | None:
+        """What the finished job left (a registered version or the model folder), or None if work remains: also the
+        copies `mirror` (FT_MIRROR_URL) and `hub` (FT_PUSH_TO_HUB) are to hold, when set."""
+        if self.unsent_tracking or (mirror and self.mirrored != mirror) or (hub and self.pushed != hub):
             return None
         if self.registered:
             return self.registered

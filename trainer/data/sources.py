@@ -5,10 +5,10 @@ again (`train.jsonl line 17`, `part-0003.parquet row 12`, `row 812`), and has a 
 identifies its content without reading it (paths, sizes and modification times or ETags; hub id,
 configuration, split and revision), which keys the tokenized-data cache.
 
-Files are read through fsspec, so `s3://`, `gs://` and `az://` URLs work wherever the matching
-filesystem package (s3fs, gcsfs, adlfs) is installed; each reads its platform's standard
-credentials (AWS_* variables or the instance role, GOOGLE_APPLICATION_CREDENTIALS or the metadata
-server, AZURE_STORAGE_* variables).
+Files are read through fsspec, so `s3://`, `gs://` and `az://` URLs work with the filesystem packages
+the image has (s3fs, gcsfs, adlfs; trainer/core/objectstore.py opens them); each reads its platform's
+standard credentials (AWS_* variables or the pod's role, GOOGLE_APPLICATION_CREDENTIALS or workload
+identity, AZURE_STORAGE_* variables or a managed identity).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from trainer.core import locations
-from trainer.core.errors import DataError
+from trainer.core import locations, objectstore
+from trainer.core.errors import ConfigError, DataError
 from trainer.core.settings import Settings
 
 READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-FILESYSTEM_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
 EVAL_SPLITS = ("validation", "test")  # what an FT_EVAL_DATASET with several splits contributes
 
 
@@ -79,19 +78,10 @@ def open_source(spec: str, settings: Settings, variable: str, split: str | None 
 
 
 def _filesystem(spec: str, variable: str) -> tuple[Any, str]:
-    import fsspec
-
-    protocol = spec.split("://", 1)[0] if "://" in spec else "file"
     try:
-        return fsspec.core.url_to_fs(spec)
-    except ImportError as error:
-        package = FILESYSTEM_PACKAGES.get(protocol, f"the fsspec filesystem for {protocol}://")
-        raise DataError(
-            f"{variable}={spec!r}: reading {protocol}:// needs the {package} package, which this image lacks; "
-            f"install it (pip install {package}) or copy the data to the volume"
-        ) from error
-    except ValueError as error:
-        raise DataError(f"{variable}={spec!r}: unsupported URL ({error})") from error
+        return objectstore.filesystem(spec, variable)  # exit 2 naming the package an object-store URL needs
+    except ConfigError as error:
+        raise DataError(f"{error}, or copy the data to the volume") from error
 
 
 def _files(spec: str, fs: Any, path: str, variable: str) -> Source:

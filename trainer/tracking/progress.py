@@ -25,6 +25,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainer.model.estimate import shape
+from trainer.telemetry.feed import Telemetry
 from trainer.tracking.run import Tracker
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -73,12 +74,14 @@ class Progress(TrainerCallback):
     """Print the progress line at every logging step and log its numbers to the active MLflow run.
 
     Its numbers go to the job's run through the tracker (the Trainer's own `logs` are logged by
-    tracking.metrics.MetricsCallback).  The last step is always logged, so a run shorter than FT_LOGGING_STEPS
-    still prints its training loss.
+    tracking.metrics.MetricsCallback), and with each step to what the cluster sees (trainer/telemetry/).  The last
+    step is always logged, so a run shorter than FT_LOGGING_STEPS still prints its training loss.
     """
 
-    def __init__(self, tracker: Tracker, config: Any, n_params: int, sequences_per_step: int, cuda: bool, checkpoint_costs: Any = None):
+    def __init__(self, tracker: Tracker, config: Any, n_params: int, sequences_per_step: int, cuda: bool, checkpoint_costs: Any = None,
+                 telemetry: Telemetry | None = None):
         self.tracker, self.config, self.n_params, self.sequences_per_step, self.cuda = tracker, config, n_params, sequences_per_step, cuda
+        self.telemetry = telemetry or Telemetry()
         self.checkpoint_costs = checkpoint_costs  # checkpointing/saving.Costs: what each save blocked training
         self.peak = None
         if cuda:
@@ -93,6 +96,7 @@ class Progress(TrainerCallback):
         self.began = time.perf_counter()
         self.last_step = state.global_step
         self.start_step = state.global_step
+        self.telemetry.stage("training", step=state.global_step, max_steps=state.max_steps)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.step_started = time.perf_counter()
@@ -102,6 +106,7 @@ class Progress(TrainerCallback):
             self.step_time += time.perf_counter() - self.step_started
         if state.global_step >= state.max_steps:
             control.should_log = True  # the Trainer logs every FT_LOGGING_STEPS only: the last loss would go unseen
+        self.telemetry.step(state.global_step, last=state.global_step >= state.max_steps or bool(getattr(control, "should_training_stop", False)))
 
     def on_save(self, args, state, control, **kwargs):
         """At each save: the seconds it blocked training and the share of the wall time blocked on checkpoints so far."""
@@ -110,6 +115,7 @@ class Progress(TrainerCallback):
             return
         step = f"{state.global_step}/{state.max_steps}"
         print(format_line({"step": step, "checkpoint_blocked_s": costs.last, "checkpoint_blocked_share": costs.share}), flush=True)
+        self.telemetry.checkpoint(costs.last, costs.share)
         self.tracker.log_metrics(costs.summary(), state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -117,6 +123,7 @@ class Progress(TrainerCallback):
         if "loss" not in logs or "num_tokens" not in logs:
             if "eval_loss" in logs:
                 print(format_line({"step": f"{state.global_step}/{state.max_steps}", "eval_loss": float(logs["eval_loss"])}), flush=True)
+                self.telemetry.metrics(eval_loss=float(logs["eval_loss"]))
             return
         tokens = float(logs["num_tokens"]) - self.last_tokens
         steps = state.global_step - self.last_step
@@ -138,5 +145,6 @@ class Progress(TrainerCallback):
             "eta_s": eta,
         }
         print(format_line(values), flush=True)
+        self.telemetry.metrics(**{k: v for k, v in values.items() if k != "step"})
         self.tracker.log_metrics({k: v for k, v in values.items() if k in ("tokens_per_s", "mfu", "mem_gb", "eta_s") and v is not None}, state.global_step)
         self.last_tokens, self.last_step, self.step_time = float(logs["num_tokens"]), state.global_step, 0.0

@@ -1,0 +1,1 @@
+"""What the cluster sees of the job: the Kubeflow TrainJob status, the Prometheus endpoint, the stuck signal."""
