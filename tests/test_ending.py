@@ -35,6 +35,35 @@ def test_an_ending_prints_one_exit_line_and_leaves_the_same_termination_message(
     assert (tmp_path / "termination-log").read_text() == line + "\n"
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "NCCL error in: ProcessGroupNCCL.cpp:3640, unhandled cuda error, NCCL version 2.27.5\nLast error:\nCuda failure 'out of memory'",
+        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call",
+    ],
+    ids=["cublas", "cudnn", "nccl", "cuda"],
+)
+def test_the_cuda_libraries_out_of_memory_errors_are_out_of_memory_as_torchs_own_is(message, capsys):
+    import torch
+
+    error = (torch.distributed.DistBackendError if "NCCL" in message else RuntimeError)(message)
+    assert ending.is_out_of_memory(error)
+    try:
+        raise RuntimeError("an error while handling it") from error
+    except RuntimeError as wrapped:
+        assert ending.is_out_of_memory(wrapped)
+    assert ending.exit_code_for(error) == 4 and "exit 4: out of GPU memory" in capsys.readouterr().err
+
+
+def test_the_hosts_memory_and_other_failures_are_not_out_of_gpu_memory():
+    assert not ending.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"))
+    assert not ending.is_out_of_memory(OSError(12, "Cannot allocate memory"))
+    assert not ending.is_out_of_memory(ValueError("out of memory"))  # a RuntimeError's words only
+    assert not ending.is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+
 def test_a_stop_handlers_ending_reaches_the_launcher_through_the_exit_file(tmp_path):
     """A rank that ends from a signal handler (os._exit) leaves its code where the launcher reads it: torchrun says 1."""
     code = "from trainer.core import ending; ending.announce(75, 'stopped'); ending.record_exit(75)"

@@ -222,3 +222,100 @@ def test_under_fsdp_nothing_is_staged_for_checkpoints_and_the_host_must_hold_the
     # half the host for the final weights: fits under FSDP; DDP stages the whole checkpoint (1.5 x the host)
     assert memory.check_host_memory(fp32, host // 8, fsdp, cuda=True) is None
     assert "the checkpoint snapshot" in memory.check_host_memory(fp32, host // 8, ddp, cuda=True)
+
+
+def test_under_fsdp_a_plan_recomputes_no_layer_or_every_layer_as_accelerates_fsdp_does():
+    """accelerate 1.15's FSDP2 checkpointing wraps every decoder layer (no every-n): a "selective" FSDP plan would run
+    full recomputation, and stepping down between two of them would change nothing but cost a restart."""
+    from trainer.core import settings as settings_table
+    from trainer.model import loading, stepdown
+
+    config = _qwen3(ROOT / "bench" / "configs" / "qwen3-8b" / "config.json")
+    n, mixed = loading.parameter_count(config), PRECISIONS["bf16-mixed"]
+    settings = settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused", "FT_PLATFORM": "none"})
+    fsdp = memory.candidates(config, n, settings, mixed, 85.5e9, "auto", 4, "fsdp")
+    assert {c.checkpoint_every for c in fsdp} == {0, 1} and not any("selective" in c.describe() for c in fsdp)
+    chain = [fsdp[0]]
+    while (lower := stepdown.next_down(chain[-1], fsdp)) is not None:
+        chain.append(lower)
+    assert all((a.sequences_per_pass, a.checkpoint_every) != (b.sequences_per_pass, b.checkpoint_every) for a, b in zip(chain, chain[1:], strict=False))
+    assert {c.checkpoint_every for c in memory.candidates(config, n, settings, mixed, 85.5e9, "selective", 4, "fsdp")} == {1}
+    ddp = memory.candidates(config, n, settings, mixed, 85.5e9, "auto", 4, "ddp")
+    assert len({c.checkpoint_every for c in ddp}) > 2  # DDP and one process recompute every n-th layer (transformers' every_n_layers)
+
+
+def test_several_processes_on_a_gpu_plan_nccls_own_buffers_one_process_and_cpu_do_not():
+    """NCCL allocates its communicator's buffers outside torch's caching allocator: ~1 GiB more per GPU in the plan."""
+    from trainer.model import estimate
+
+    settings, config, n = _settings(), _qwen3_4b(), 4_022_468_096
+    mixed = PRECISIONS["bf16-mixed"]
+    alone = memory.candidates(config, n, settings, mixed, 0.0, "full", 1, "none")[0]
+    two = memory.candidates(config, n, settings, mixed, 0.0, "full", 2, "ddp")[0]
+    assert (alone.sequences_per_pass, alone.checkpoint_every) == (two.sequences_per_pass, two.checkpoint_every)
+    assert two.breakdown["workspace"] - alone.breakdown["workspace"] == estimate.NCCL_BUFFERS == 2**30
+    assert two.peak - alone.peak == 2**30  # DDP holds a whole model each: nothing else differs
+    assert "workspace" not in memory.candidates(config, n, settings, PRECISIONS["fp32"], 0.0, "full", 2, "ddp")[0].breakdown  # gloo on CPU
+
+
+def test_fsdp_over_nodes_shards_within_a_node_while_its_gpus_hold_the_model_else_over_every_gpu():
+    """Two 8-GPU nodes: Qwen3-14B fits 8 H100s, so each node holds it sharded over its own GPUs and the nodes replicate
+    it (HSDP: each layer's gathers stay on the node); Qwen3-32B needs all 16 H200s, so it shards over both nodes."""
+    from trainer.core import settings as settings_table
+    from trainer.model import estimate, loading, recipe
+
+    settings = settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused", "FT_PLATFORM": "none", "FT_NUM_NODES": "2", "FT_NUM_PROCESSES": "8",
+                                 "FT_MASTER_ADDR": "node-0"})
+    mixed = PRECISIONS["bf16-mixed"]
+    config = _qwen3(ROOT / "bench" / "configs" / "qwen3-14b" / "config.json")
+    hsdp = memory.plan(config, loading.parameter_count(config), settings, mixed, 85.5e9, "auto", 16)
+    assert (hsdp.strategy, hsdp.replicas, hsdp.shards, hsdp.fits) == ("fsdp", 2, 8, True)
+    assert "fsdp: 1/8 of the model each, sharded within each of 2 nodes and replicated across them" in hsdp.describe()
+    flat = memory.candidates(config, loading.parameter_count(config), settings, mixed, 85.5e9, "auto", 16, "fsdp", 1)
+    same = next(c for c in flat if (c.sequences_per_pass, c.checkpoint_every) == (hsdp.sequences_per_pass, hsdp.checkpoint_every))
+    assert hsdp.breakdown["weights"] == 2 * same.breakdown["weights"]  # 1/8 of the weights, not 1/16
+    assert hsdp.breakdown["workspace"] - same.breakdown["workspace"] > 2 * estimate.NCCL_BUFFERS  # three communicators, not one
+    pc = recipe.sft_config(settings, mixed, hsdp, cuda=False).parallelism_config
+    assert (pc.dp_replicate_size, pc.dp_shard_size, pc.fsdp_dim_names) == (2, 8, ["dp_replicate", "dp_shard_cp"])
+    assert recipe.sft_config(settings, mixed, same, cuda=False).parallelism_config is None
+
+    big = _qwen3(ROOT / "bench" / "configs" / "qwen3-32b" / "config.json")
+    wide = memory.plan(big, loading.parameter_count(big), settings, mixed, 150.8e9, "auto", 16)
+    assert (wide.strategy, wide.replicas, wide.shards, wide.fits) == ("fsdp", 1, 16, True)
+
+
+@pytest.mark.faults("a host too small for every process's copy of the model while it loads")
+def test_the_preflight_exits_2_when_the_hosts_memory_cannot_hold_every_process_loading_the_whole_model(tmp_path):
+    """Every process on a node loads the whole fp32 model before DDP moves it to its GPU or FSDP shards it: 8 processes
+    of a model a sixteenth of the host's memory need twice the host, though the final gather (a quarter) would fit."""
+    import json as json_module
+
+    from transformers import Qwen3Config
+
+    from trainer.core import settings as settings_table
+    from trainer.core.config import Config
+    from trainer.core.errors import ConfigError
+    from trainer.model import loading
+
+    host = memory.host_memory_bytes()
+    hidden = 1024
+    layer = 4 * hidden * hidden + 3 * hidden * 4096  # q, k, v, o and the MLP of a Qwen3 layer this wide
+    layers = max(1, round((host / 16 - 2 * 32000 * hidden) / layer))
+    model = tmp_path / "model"
+    model.mkdir()
+    config = Qwen3Config(vocab_size=32000, hidden_size=hidden, intermediate_size=4096, num_hidden_layers=layers, num_attention_heads=8,
+                         num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    (model / "config.json").write_text(json_module.dumps(config.to_dict()))
+    (model / "model.safetensors").write_bytes(b"")  # never read: the preflight plans from config.json alone
+    n = loading.parameter_count(config)
+    assert host / 20 < n * 4 < host / 3  # the model in fp32: ~a sixteenth of the host
+
+    def job(processes: int) -> Config:
+        values = {"FT_MODEL": str(model), "FT_OUTPUT_DIR": str(tmp_path / "out"), "FT_PLATFORM": "none", "FT_GPU_MEMORY_GB": "100000",
+                  "FT_DISTRIBUTED": "fsdp", "FT_MAX_STEPS": "10", "FT_SAVE_STEPS": "10", "FT_EVAL_STEPS": "10", "FT_SAVE_TOTAL_LIMIT": "1"}
+        return Config(settings_table.load(values), cuda=True, precision=PRECISIONS["bf16-mixed"], processes_per_node=processes)
+
+    with pytest.raises(ConfigError, match=r"while the model loads, each of the 8 processes on this node holds the whole model .* in float32") as refused:
+        memory.preflight(job(8))
+    assert refused.value.exit_code == 2 and "FT_NUM_NODES" in str(refused.value)
+    memory.preflight(job(2))  # two copies fit, and so does the final gather

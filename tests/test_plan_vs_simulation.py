@@ -69,6 +69,16 @@ def test_one_fsdp_rank_of_qwen3_8b_on_4_gpus_is_planned_within_5_percent():
 
 
 @pytest.mark.slow
+def test_one_bf16_sr_fsdp_rank_is_planned_within_5_percent_and_its_update_holds_its_shards_temporaries():
+    """bf16-sr under FSDP2 steps bf16 shards (trainer/model/optim.py): the update's fp32 temporaries are of a shard."""
+    result = simulated(4, "bf16-sr", 1, 2048, 1, 1, processes=4, config_path=simulate_memory.QWEN3_8B)
+    config = simulate_memory.qwen3_config(simulate_memory.QWEN3_8B, layers=4)
+    plan = planned(config, "bf16-sr", 1, 2048, 1, 1, processes=4)
+    assert max(plan.values()) == pytest.approx(result["peak"], rel=memory.SIMULATED_TOLERANCE)
+    assert plan["optimizer"] == pytest.approx(result["phases"]["optimizer"]["Total"], rel=0.01)
+
+
+@pytest.mark.slow
 def test_each_layer_adds_the_planned_saved_activations_and_bf16_copy():
     """From 2 to 4 layers without recomputation, the forward's peak grows by two layers' saved tensors (216 KB a token
     for Qwen3-4B in bf16) and two layers' bf16 weight copies, as the plan counts them."""

@@ -109,7 +109,7 @@ def test_bf16_sr_resumed_job_computes_the_same_weights_as_an_uninterrupted_one(d
     straight = trainer("straight")
     straight.train()  # 4 steps, leaving checkpoint-2 behind as an interrupted job would
     saved = torch.load(tmp_path / "straight" / "checkpoint-2" / "optimizer.pt", weights_only=True)
-    assert "rounding_generator" in saved
+    assert set(saved) == {"state", "param_groups"}  # all DCP keeps of an optimizer under FSDP: the rounding's bits need nothing more
     assert all(s["exp_avg_sq"].dtype == torch.float32 for s in saved["state"].values())
     resumed = trainer("resumed")
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))  # steps 3 and 4 again

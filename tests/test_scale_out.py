@@ -19,6 +19,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import torch
 
 from conftest import (
     assert_no_pickle_beyond_weights_only,
@@ -69,12 +70,12 @@ def eval_losses(volume: Path) -> dict[int, float]:
     return metric(volume, "eval_loss")
 
 
-def node_envs(volume: Path, tmp_path: Path, **settings: str) -> list[dict[str, str]]:
+def node_envs(volume: Path, tmp_path: Path, per_node: int = 1, **settings: str) -> list[dict[str, str]]:
     port = str(free_port())
     envs = []
     for rank in (0, 1):
         env = job_env(volume, **settings)
-        env.update(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port)
+        env.update(PET_NNODES="2", PET_NPROC_PER_NODE=str(per_node), PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port)
         env.update(FT_TERMINATION_MESSAGE_PATH=str(tmp_path / f"node{rank}.termination-log"), OMP_NUM_THREADS="1")
         envs.append(env)
     return envs
@@ -93,9 +94,13 @@ def one_process(tmp_path_factory) -> Path:
 
 
 def test_two_processes_train_like_one_with_the_same_global_batch(one_process, tmp_path):
-    out = tmp_path / "volume"
-    result = run_job(job_env(out, **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp", FT_MASTER_PORT=str(free_port())))
+    out, wrapped = tmp_path / "volume", tmp_path / "ddp.jsonl"
+    env = job_env(out, **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="ddp", FT_MASTER_PORT=str(free_port()))
+    result = run_job(with_faults(env, record_ddp=str(wrapped)))
     assert result.returncode == 0, result.stdout + result.stderr
+    # Gradients as views into DDP's buckets: no second copy of every gradient, which the memory plan does not count.
+    records = [json.loads(line) for line in wrapped.read_text().splitlines()]
+    assert sorted(r["rank"] for r in records) == ["0", "1"] and all(r["gradient_as_bucket_view"] for r in records), records
     assert "4 x 1 accumulation x 2 processes (ddp)" in result.stdout and "effective batch 8" in result.stdout
     assert result.stdout.count("fulltune: step=40/40 loss=") == 1  # one progress log: rank 0's
     one, two = eval_losses(one_process), eval_losses(out)
@@ -113,7 +118,8 @@ def test_two_processes_train_like_one_with_the_same_global_batch(one_process, tm
 def fsdp(tmp_path_factory) -> tuple[Path, str]:
     """The demo sharded by FSDP2 over two CPU processes (gloo): the reference for the interrupted FSDP jobs."""
     out = tmp_path_factory.mktemp("fsdp") / "volume"
-    result = run_job(job_env(out, **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port())))
+    env = job_env(out, **TWO, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port()))
+    result = run_job(with_faults(env, record_gathered=str(out.parent / "gathered.json")))
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result.stdout
 
@@ -144,8 +150,88 @@ def test_fsdp_shards_the_model_over_two_cpu_processes_and_trains_what_one_proces
     assert difference <= WEIGHT_TOLERANCE
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(final)
+    reloaded = AutoModelForCausalLM.from_pretrained(final)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # the tied demo model, tied again
+    gathered = json.loads((out.parent / "gathered.json").read_text())  # what rank 0 held and wrote once, gathered from the shards
+    assert "model.embed_tokens.weight" in gathered and "lm_head.weight" not in gathered  # the tied embedding once, not twice
     assert committed_steps(out) == [20, 40]
+
+
+SR = dict(FT_PRECISION="bf16-sr", FT_MAX_STEPS="20", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_EVAL_SAMPLES="0")
+
+
+def test_bf16_sr_under_fsdp_steps_bf16_shards_and_trains_what_one_process_trains(tmp_path):
+    """FT_PRECISION=bf16-sr FT_DISTRIBUTED=fsdp: accelerate 1.15 upcast the bf16 weights to fp32 under mixed precision
+    (the job trained fp32 weights the plan counted as bf16), and on bf16 DTensors the rounding mixed a plain tensor
+    of the whole shape with a shard.  Now each rank steps bf16 shards, and the updates are one process's."""
+    from safetensors.torch import load_file
+
+    alone = tmp_path / "one"
+    reference = run_job(job_env(alone, **ONE, **SR))
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    out, stepped = tmp_path / "fsdp", tmp_path / "optimizer.jsonl"
+    env = job_env(out, **TWO, **SR, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port()))
+    result = run_job(with_faults(env, record_optimizer=str(stepped)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = {r["rank"]: r for r in map(json.loads, stepped.read_text().splitlines())}
+    assert sorted(records) == ["0", "1"]
+    for record in records.values():  # every parameter, gradient and state a shard: bf16 weights and gradients, fp32 AdamW states
+        assert record == {"rank": record["rank"], "params": ["DTensor bfloat16"], "grads": ["DTensor bfloat16"], "states": ["DTensor float32"]}
+    whole, held = shards(result.stdout)
+    assert len(held) == 2 and sum(held) == whole and max(held) <= 0.51 * whole
+
+    start = load_file(alone / "demo" / "model" / "model.safetensors")
+    one, two = (load_file(folder / "final" / "model" / "model.safetensors") for folder in (alone, out))
+    assert {t.dtype for t in two.values()} == {torch.bfloat16}
+    delta_one = torch.cat([(one[k].float() - start[k].float()).flatten() for k in sorted(start)])
+    delta_two = torch.cat([(two[k].float() - start[k].float()).flatten() for k in sorted(start)])
+    kept = float(delta_two @ delta_one / (delta_one @ delta_one))
+    losses, reference_losses = metric(out, "loss"), metric(alone, "loss")
+    worst = max(abs(losses[s] / reference_losses[s] - 1) for s in reference_losses)
+    print(f"bf16-sr: fsdp applied {kept:.4f} of one process's update; training loss within {worst:.2g} relative of one process's")
+    assert kept == pytest.approx(1, abs=0.1)  # stochastic rounding: the same update in expectation (as in tests/test_precision.py)
+    assert losses.keys() == reference_losses.keys() and worst < 0.01
+
+    # Killed inside the save of step 20 and restarted from step 10's DCP shards: the rounding's bits are a function of
+    # the seed, the step, the parameter and the shard, so the resumed job ends with the uninterrupted one's weights.
+    again = tmp_path / "resumed"
+    env = job_env(again, **TWO, **SR, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port()))
+    crashed = run_job(with_faults(env, kill_before_commit_at_step="20"))
+    assert crashed.returncode == 1 and committed_steps(again) == [10], crashed.stdout + crashed.stderr
+    resumed = run_job(env | {"FT_MASTER_PORT": str(free_port())})
+    assert resumed.returncode == 0 and f"resuming from {again}/checkpoints/checkpoint-10" in resumed.stdout, resumed.stdout + resumed.stderr
+    assert max_weight_difference(out / "final/model/model.safetensors", again / "final/model/model.safetensors") == 0
+
+
+def probe(demo_assets: Path, tmp_path: Path, precision: str, **settings: str) -> list[dict]:
+    """What each of two FSDP ranks' prepared model holds (tests/fsdp_probe.py), run with the job's trainer as the launcher
+    starts it, for a configuration built here (bf16-mixed: entrypoint.py refuses it on CPU, where CPU autocast runs it)."""
+    from trainer.core import settings as settings_table
+    from trainer.core.config import PRECISIONS, VARIABLE, Config
+    from trainer.launch import launcher
+
+    out = tmp_path / "probe"
+    out.mkdir()
+    values = dict(FT_MODEL=str(demo_assets / "model"), FT_DATASET=str(demo_assets / "data" / "train.jsonl"), FT_OUTPUT_DIR=str(tmp_path / "volume"),
+                  FT_PLATFORM="none", FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_BATCH_SIZE="2", FT_GRADIENT_ACCUMULATION_STEPS="1",
+                  FT_MAX_STEPS="1", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_EVAL_FRACTION="0", FT_EVAL_SAMPLES="0",
+                  FT_MASTER_PORT=str(free_port())) | settings  # fmt: skip
+    config = Config(settings_table.load(values), cuda=False, precision=PRECISIONS[precision], processes_per_node=2)
+    cmd, env = launcher.torchrun_command(config)
+    assert cmd[-2:] == ["--module", "trainer"]
+    cmd[-2:] = [str(Path(__file__).with_name("fsdp_probe.py"))]
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PROBE_OUT=str(out), **{VARIABLE: config.to_json()})
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_fsdp_under_bf16_mixed_gathers_layers_in_bf16_and_reduces_gradients_in_fp32_into_fp32_master_weights(demo_assets, tmp_path):
+    """accelerate 1.15's own FSDP2 policy for bf16 reduce-scatters the gradients in bf16 (each rank's rounded before the
+    sum); the job's reduces them in fp32, as one process and DDP sum them.  Read from the prepared model itself."""
+    for record in probe(demo_assets, tmp_path, "bf16-mixed"):
+        assert record["policies"] == [{"param_dtype": "bfloat16", "reduce_dtype": "float32"}], record
+        assert record["params"] == ["DTensor float32"] and record["grads"] == ["DTensor float32"], record  # fp32 master weights, sharded
 
 
 def test_only_fsdp_on_cpu_processes_completes_accelerates_decision_gpu_jobs_keep_accelerates_own():
@@ -325,6 +411,26 @@ def test_two_nodes_train_one_model_in_one_run(two_nodes):
     assert len(eval_losses(two_nodes)) == 3
     assert (two_nodes / "final" / "model" / "model.safetensors").exists()
     assert not (two_nodes / "final.gathered").exists()
+
+
+def test_fsdp_over_two_nodes_shards_within_each_node_and_replicates_across_them_and_trains_what_one_process_trains(one_process, tmp_path):
+    """2 nodes x 2 processes (gloo): HSDP, each layer's all-gather and reduce-scatter within a node, so each process
+    holds half the model (a quarter over all four would send every layer's gathers across nodes)."""
+    out = tmp_path / "volume"
+    envs = node_envs(out, tmp_path, per_node=2, FT_PRESET="demo", FT_BATCH_SIZE="2", FT_GRADIENT_ACCUMULATION_STEPS="1", FT_DISTRIBUTED="fsdp")
+    nodes = start_nodes(envs, tmp_path, "hsdp")
+    codes = [node.wait(timeout=900) for node in nodes]
+    log = (tmp_path / "hsdp-node0.log").read_text()
+    assert codes == [0, 0], [log[-3000:], (tmp_path / "hsdp-node1.log").read_text()[-3000:]]
+    assert "2 x 1 accumulation x 4 processes (fsdp)" in log
+    assert "4 processes (fsdp: 1/2 of the model each, sharded within each of 2 nodes and replicated across them)" in log
+    whole, held = shards(log)
+    assert len(held) == 4 and sum(held) == 2 * whole and max(held) <= 0.51 * whole, (whole, held)  # halves, twice over
+    sharded, whole_model = metric(out, "loss"), metric(one_process, "loss")
+    worst = max(abs(sharded[s] / whole_model[s] - 1) for s in whole_model)
+    difference = max_weight_difference(one_process / "final/model/model.safetensors", out / "final/model/model.safetensors")
+    print(f"hsdp: training loss within {worst:.2g} relative of one process's, final weights within {difference:g}")
+    assert sharded == pytest.approx(whole_model, rel=TRAIN_TOLERANCE) and difference <= WEIGHT_TOLERANCE
 
 
 @pytest.mark.faults("SIGTERM to one node of two", "a restart on another number of processes")

@@ -83,6 +83,34 @@ TORCHRUN_STOP_SECONDS = 30
 
 
 @pytest.mark.slow
+@pytest.mark.faults("out of GPU memory in cuBLAS, not torch's OutOfMemoryError, after the first checkpoint")
+def test_a_cublas_out_of_memory_error_restarts_the_process_at_each_next_plan_and_ends_with_the_weights_of_the_smaller_plan(
+    demo_assets, planned_2x4, tmp_path
+):
+    """cuBLAS (its handle, made at the first backward), cuDNN and NCCL say they ran out of device memory in a RuntimeError of
+    their own words, not torch.OutOfMemoryError: the step-down takes them too, through a restart of the process (exit 75,
+    and entrypoint.py starts it again at the recorded plan) rather than a retry in a process whose CUDA state is suspect."""
+    settings = _settings(demo_assets, tmp_path / "train.jsonl")
+    out = tmp_path / "stepped-down"
+    env = job_env(out, **settings)
+    result = run_job(with_faults(env, oom_above_sequences="2", oom_after_passes="2", oom_kind="cublas"), timeout=900)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    restarts = [line for line in result.stdout.splitlines() if "restarting it there" in line]
+    assert len(restarts) == 2, log
+    assert restarts[0].startswith("fulltune: out of GPU memory in the training process with 8 sequences x 1 passes per process"), restarts
+    assert "the next plan down, 2 sequences x 4 passes per process" in restarts[1], restarts
+    assert log.count("fulltune: exit 75: out of GPU memory with") == 2 and "CUBLAS_STATUS_ALLOC_FAILED" in log
+    assert "stepping down" not in log  # never retried inside the process that hit it
+    assert committed_steps(out) == [2, 4] and termination_message(env).strip() == ""
+    assert max_weight_difference(_final(planned_2x4), _final(out)) <= WEIGHT_TOLERANCE
+
+    record = json.loads((out / ".fulltune" / "memory-plan.json").read_text())
+    assert [failed["plan"] for failed in record["out_of_memory"]] == [[8, 1, 0], [4, 2, 0]] and record["plan"] == [2, 4, 0]
+    assert all("CUBLAS_STATUS_ALLOC_FAILED" in failed["error"] for failed in record["out_of_memory"])
+
+
+@pytest.mark.slow
 @pytest.mark.faults("out of GPU memory on one of two processes, the other held in a collective")
 def test_out_of_memory_on_one_of_two_processes_ends_the_waiting_one_at_once_restarts_both_at_the_next_plan_and_ends_0_with_the_weights_of_the_smaller_plan(
     demo_assets, planned_2x4, tmp_path

@@ -143,7 +143,7 @@ def build_trainer(
 
     settings, cuda = config.settings, config.cuda
     tracker = tracker or Tracker(config, enabled=False)
-    net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda)
+    net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda, config.precision)
     if tracker is not None:
         tracker.log(tags={"attention": attention.path_taken(net)})  # which attention trained (the loop, torch's varlen kernel, sdpa)
     quiet.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
@@ -261,6 +261,9 @@ def _whole_model(trainer: Any, volume: Volume) -> Any:
     # FULL_STATE_DICT branch, once, weights only.  Every rank sends its shards; rank 0 holds them (on the host) and writes.
     weights = trainer.accelerator.get_state_dict(trainer.model)
     if ranks.is_main():
+        for tied, source in getattr(trainer.model, "all_tied_weights_keys", {}).items():  # gathered as two host copies: keep one
+            if source in weights:
+                weights.pop(tied, None)
         trainer._save(gathered, state_dict=weights)
     del weights
     ranks.barrier()

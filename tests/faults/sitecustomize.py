@@ -28,6 +28,8 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
   FAULT_OOM_ON_RANK=1                  ... only in the process of that global rank (RANK): one of several runs out, the others wait
   FAULT_HANG_BESIDE_OOM=<file>         ... and the others, in the pass where it runs out, write the time to <file> and block there,
                                        ignoring SIGTERM, as a rank held in an NCCL collective does (its host blocked in a CUDA call)
+  FAULT_OOM_KIND=cublas                ... raised as another library words it instead of torch.OutOfMemoryError: cublas (cuBLAS
+                                       creating its handle), cudnn, nccl (a DistBackendError), cuda (a plain CUDA error)
   FAULT_RECORD_LOAD_MEMORY=<file>      rank 0 appends to <file>, for each part of a resume (weights, optimizer states), a
                                        JSON line with its resident memory before and its peak during it, in bytes
                                        (/proc/self/status VmRSS and VmHWM, the peak reset first through /proc/self/clear_refs)
@@ -38,6 +40,13 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        of RECORDED_ENV it ran with
 
 
+  FAULT_RECORD_DDP=<file>              each training process appends to <file>, when DDP wraps its model, a JSON line with its
+                                       RANK and the wrapper's `gradient_as_bucket_view`
+  FAULT_RECORD_OPTIMIZER=<file>        each training process appends to <file>, at its first step of the bf16-sr optimizer, a JSON
+                                       line with its RANK and the kinds (DTensor or Tensor) and dtypes of the parameters, their
+                                       gradients and AdamW states it steps
+  FAULT_RECORD_GATHERED=<file>         rank 0 writes to <file> the names of the weights it saves when the Trainer's `_save` is
+                                       given them (the final model gathered from its FSDP shards), as JSON
   FAULT_NAN_LOSS_ON_RANK=1:15          the training process of rank 1 returns a NaN loss from its 15th training pass (only that
                                        one): its gradients are NaN, the other ranks' are finite until they are averaged
 """
@@ -193,7 +202,7 @@ def _out_of_memory_above(module):
                 with open(hang, "a") as f:
                     f.write(f"{time.time()}\n")
                 time.sleep(3600)
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: a pass of {sequences} sequences, more than {limit}). Tried to allocate 2.00 GiB.")
+            raise _out_of_memory(os.environ.get("FAULT_OOM_KIND", "torch"), f"injected: a pass of {sequences} sequences, more than {limit}")
 
     def prepare_model(net, *args, **kwargs):
         net = original(net, *args, **kwargs)
@@ -201,6 +210,22 @@ def _out_of_memory_above(module):
         return net
 
     module.prepare_model = prepare_model
+
+
+def _out_of_memory(kind, why):
+    """Out of device memory as each library raises it (their own words; torch wraps the others in RuntimeError)."""
+    import torch
+
+    if kind == "cublas":
+        return RuntimeError(f"CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` ({why})")
+    if kind == "cudnn":
+        return RuntimeError(f"cuDNN error: CUDNN_STATUS_ALLOC_FAILED ({why})")
+    if kind == "nccl":
+        return torch.distributed.DistBackendError(f"NCCL error in: ProcessGroupNCCL.cpp:3640, unhandled cuda error (run with NCCL_DEBUG=INFO for "
+                                                  f"details), NCCL version 2.27.5\nLast error:\nCuda failure 'out of memory' ({why})")
+    if kind == "cuda":
+        return RuntimeError(f"CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported ({why})")
+    return torch.OutOfMemoryError(f"CUDA out of memory ({why}). Tried to allocate 2.00 GiB.")
 
 
 def _status_bytes(field):
@@ -231,6 +256,57 @@ def _record_load_memory(module):
 
     measured("_load_from_checkpoint")
     measured("_load_optimizer_and_scheduler")
+
+
+def _record_gathered(module):
+    original = module.Trainer._save
+
+    def _save(self, output_dir=None, state_dict=None, *args, **kwargs):
+        if state_dict is not None:
+            with open(os.environ["FAULT_RECORD_GATHERED"], "w", encoding="utf-8") as f:
+                json.dump(sorted(state_dict), f)
+        return original(self, output_dir, state_dict, *args, **kwargs)
+
+    module.Trainer._save = _save
+
+
+def _trainer_faults(module):
+    if os.environ.get("FAULT_RECORD_LOAD_MEMORY"):
+        _record_load_memory(module)
+    if os.environ.get("FAULT_RECORD_GATHERED"):
+        _record_gathered(module)
+
+
+def _record_ddp(module):
+    original = module.DistributedDataParallel.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        with open(os.environ["FAULT_RECORD_DDP"], "a", encoding="utf-8") as f:
+            f.write(json.dumps({"rank": os.environ.get("RANK"), "gradient_as_bucket_view": self.gradient_as_bucket_view}) + "\n")
+
+    module.DistributedDataParallel.__init__ = __init__
+
+
+def _record_optimizer(module):
+    original = module.StochasticRoundingAdamW.step
+    recorded = []
+
+    def kinds(tensors):
+        return sorted({f"{type(t).__name__} {str(t.dtype).removeprefix('torch.')}" for t in tensors})
+
+    def step(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not recorded:
+            recorded.append(1)
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            states = [self.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")]
+            line = {"rank": os.environ.get("RANK", "0"), "params": kinds(params), "grads": kinds([p.grad for p in params]), "states": kinds(states)}
+            with open(os.environ["FAULT_RECORD_OPTIMIZER"], "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        return result
+
+    module.StochasticRoundingAdamW.step = step
 
 
 def _nan_loss_on_rank(module):
@@ -274,7 +350,9 @@ PATCHES = {  # module -> (variables, patch)
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
     "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES", "FAULT_NAN_LOSS_ON_RANK"), _model_faults),
     "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE",), _slow_checkpoint_write),
-    "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY",), _record_load_memory),
+    "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY", "FAULT_RECORD_GATHERED"), _trainer_faults),
+    "torch.nn.parallel.distributed": (("FAULT_RECORD_DDP",), _record_ddp),
+    "trainer.model.optim": (("FAULT_RECORD_OPTIMIZER",), _record_optimizer),
 }
 if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
     when = os.environ.get("FAULT_FILL_VOLUME_AT", "")

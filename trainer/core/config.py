@@ -140,6 +140,18 @@ def strategies(distributed: str, processes: int) -> list[str]:
     return {"auto": ["ddp", "fsdp"], "none": ["ddp"], "ddp": ["ddp"], "fsdp": ["fsdp"]}[distributed]
 
 
+def sharings(settings: Settings, processes: int) -> list[tuple[str, int]]:
+    """(strategy, replicas) to try, cheapest first.  Across nodes FSDP shards within each node and replicates across
+    them (HSDP: a layer's all-gather and reduce-scatter stay on the node's NVLink, one all-reduce of the shard's
+    gradients crosses nodes) while a node's GPUs hold the model; else it shards over every process."""
+    nodes, found = settings.num_nodes, []
+    for strategy in strategies(settings.distributed, processes):
+        if strategy == "fsdp" and nodes > 1 and processes // nodes > 1:
+            found.append((strategy, nodes))
+        found.append((strategy, 1))
+    return found
+
+
 def build(settings: Settings, cuda: bool | None = None, bf16_supported: bool | None = None) -> Config:
     """Derive the job's configuration from validated settings; the device is probed unless given (tests)."""
     gpus = 0

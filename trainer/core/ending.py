@@ -59,11 +59,32 @@ def announce(code: int, why: str) -> int:
     return code
 
 
+# How the CUDA libraries word running out of device memory when torch does not raise its own OutOfMemoryError:
+# cuBLAS (a handle or workspace created at the first matmul or backward: CUBLAS_STATUS_ALLOC_FAILED), cuDNN
+# (CUDNN_STATUS_ALLOC_FAILED), NCCL (a DistBackendError "... Cuda failure 'out of memory'"), a plain CUDA error
+# ("CUDA error: out of memory").  Not the host's: "DefaultCPUAllocator: can't allocate memory" is not one of them.
+OUT_OF_MEMORY_WORDS = ("out of memory", "_alloc_failed")  # lower case
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch.OutOfMemoryError, or another library's device out-of-memory error (above), or one that caused `error`."""
+    if isinstance(error, FulltuneError):  # the job's own endings (a stop, a step-down) are never one
+        return False
+    seen = 0
+    while error is not None and seen < 8:
+        if type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
+            return True
+        if isinstance(error, RuntimeError) and any(word in str(error).lower() for word in OUT_OF_MEMORY_WORDS):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
 def exit_code_for(error: BaseException) -> int:
     """Map any exception to the documented exit code and announce it."""
     if isinstance(error, FulltuneError):
         return announce(error.exit_code, str(error))
-    if type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
+    if is_out_of_memory(error):
         return announce(OutOfMemory.exit_code, f"out of GPU memory: {error}")
     return announce(1, f"unexpected {type(error).__name__}: {error}")
 

@@ -135,7 +135,8 @@ class Settings:
                                                                                   changes="training", group="Hardware")
     activation_checkpointing: Literal["auto", "full", "selective", "off"] = setting("auto", "Recompute activations in the backward pass instead of keeping "
                                                                                             "them: `full` every decoder layer, `selective` every n-th layer "
-                                                                                            "with n as large as the memory plan fits, `off` none. `auto` "
+                                                                                            "with n as large as the memory plan fits (every layer under "
+                                                                                            "FSDP), `off` none. `auto` "
                                                                                             "picks the least recomputation that fits, none on CPU ([the "
                                                                                             "memory plan](performance.md#memory-and-disk-preflight)).")
     # -- Throughput ----------------------------------------------------------------------------------

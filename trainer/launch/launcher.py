@@ -152,7 +152,8 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     """Run the job in a child process with `config` (trainer/core/config.py), forward stop signals, return its exit code.
 
     Several processes on one node: when they ended because one ran out of GPU memory and recorded the next plan
-    down (trainer/model/stepdown.py), they are started again here at that plan, once per plan down."""
+    down (trainer/model/stepdown.py), they are started again here at that plan, once per plan down; one process too,
+    when it ended so (exit 75) on an out-of-memory error of cuBLAS, cuDNN or NCCL rather than torch's own."""
     several = config.world_size > 1
     cmd, env = torchrun_command(config) if several else single_process_command()
     root = str(Path(__file__).resolve().parents[2])  # the folder holding trainer/: `-m trainer` resolves from any working directory
@@ -165,7 +166,9 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
     while True:
         before = (read_json(plans) or {}).get("plan")
         returncode = _run_once(cmd, env, stops, several, watching.StepDownWatch(plans, before, config.settings.num_nodes) if several else None)
-        if not several or stops.received or stops.ended or stops.abandoned or returncode in (0, OutOfMemory.exit_code):
+        if stops.received or stops.ended or stops.abandoned or returncode in (0, OutOfMemory.exit_code):
+            break
+        if not several and returncode != StepDownRestart.exit_code:  # one process steps down in itself, unless a library's error ended it
             break
         record = read_json(plans) or {}
         if record.get("plan") in (None, before):
@@ -176,9 +179,12 @@ def run_under_accelerate(config: Any, stops: StopForwarder) -> int:
         if record["plan"] in started_at:
             break
         started_at.append(record["plan"])
-        print(f"fulltune: {_stepped_down(record, config.world_size, plans)}: restarting the {config.world_size} processes there (the same updates) "
-              f"from the last committed checkpoint (step 0 before the first); the other processes were ended at once, and any error of theirs "
-              f"above follows from it", flush=True)
+        restarting, others = (
+            (f"the {config.world_size} processes", "; the other processes were ended at once, and any error of theirs above follows from it")
+            if several else ("it", "")
+        )
+        print(f"fulltune: {_stepped_down(record, config.world_size, plans)}: restarting {restarting} there (the same updates) "
+              f"from the last committed checkpoint (step 0 before the first){others}", flush=True)
         ending.write_termination_message("")  # the ended processes' exit lines no longer say how the job ends
         stops.child = None  # a stop before the next start is answered as one while starting (76), never as the 0 of a start skipped
     if stops.ended:
@@ -217,7 +223,8 @@ def _stepped_down(record: dict[str, Any], processes: int, path: str) -> str:
     """What the record of a step-down says happened, in words (its plans are [sequences, passes, checkpoint_every])."""
     failed = (record.get("out_of_memory") or [{}])[-1]
     peak = f" (measured peak {failed['measured_peak_bytes'] / 1e9:.1f} GB, {failed.get('measured_by')})" if failed.get("measured_peak_bytes") else ""
-    return (f"out of GPU memory on one of the {processes} processes with {_layout(failed.get('plan'))}{peak}; the next plan down, "
+    where = f"on one of the {processes} processes" if processes > 1 else "in the training process"  # one: a library's error, not torch's (stepdown.py)
+    return (f"out of GPU memory {where} with {_layout(failed.get('plan'))}{peak}; the next plan down, "
             f"{_layout(record['plan'])}, is recorded in {path}")
 
 

@@ -21,6 +21,11 @@ TIED_GRADIENT_COPIES = 3  # the LM head's and the embedding's gradients of a tie
 # backward.  The simulator once counted them until the backward ended (+13 GB for Qwen3-4B at 1 x 2048, and 2.76 B
 # per layer parameter for an FSDP rank): its FlopCounterMode held them, not the step (bench/recompute_retention.py).
 CUDA_CONTEXT, CUBLAS_WORKSPACE, ALLOCATOR_SLACK = 2**30 - 2**27, 2**27, 0.05  # 1 GiB + 5 %, unchanged until a GPU measures them
+# NCCL's own device buffers, per communicator, outside the caching allocator (invisible to max_memory_allocated): its
+# channels' send/receive buffers (NCCL_BUFFSIZE, 4 MiB a protocol buffer, per peer and channel, up to 32 channels on
+# an NVLink H100) and, on NVSwitch machines, NVLS's multicast buffers.  An assumption of hundreds of MB to ~1 GiB
+# (NCCL's environment documentation); the first multi-GPU run measures it (docs/gpu-first-run.md).
+NCCL_BUFFERS = 2**30
 
 
 def checkpointed_layers(every: int, layers: int) -> int:
@@ -87,11 +92,13 @@ def estimate(config: Any, n_params: int, **layout: Any) -> dict[str, float]:
 
 
 def phases(
-    config: Any, n_params: int, *, precision: Precision, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int, shards: int = 1
+    config: Any, n_params: int, *, precision: Precision, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int, shards: int = 1,
+    processes: int = 1, communicators: int = 1,
 ) -> dict[str, dict[str, float]]:
     """Bytes by component at the peak of each phase of the step (docs/memory-plan.md; bench/simulate_memory.py measures
     the same phases): the forward (the last pass: earlier passes' gradients are alive), the start of the backward (the
-    loss's gradient), its end (every gradient, the tied embedding's twice), and the optimizer's update."""
+    loss's gradient), its end (every gradient, the tied embedding's twice), and the optimizer's update.  `processes`: of
+    the job (more than one: NCCL's buffers on a GPU, `communicators` of them)."""
     s = shape(config)
     layers, h, vocab = s["layers"], s["hidden"], s["vocab"]
     embedding = vocab * h
@@ -134,12 +141,12 @@ def phases(
             "tied gradient": TIED_GRADIENT_COPIES * precision.gradient_bytes * embedding if s["tied"] else precision.gradient_bytes * embedding,
             "activations": STREAM_COPIES[stream] * h * tokens if recomputed else 0.0,  # the embeddings' output and the final norm's
         }
-    largest = max(embedding, layer_params)  # the per-parameter loop's fp32 temporaries (trainer/model/optim.py)
+    largest = max(embedding, layer_params) / shards  # the per-parameter loop's fp32 temporaries (trainer/model/optim.py): of its shard under FSDP
     update = static | {"gradients": gradients, "update": (12 * largest if precision.stochastic_rounding else 0.0)}
     each = {"forward": forward, "backward start": backward_start, "backward end": backward_end, "optimizer": update}
     if precision.bf16:  # only on GPU: CUDA context, cuBLAS workspace and allocator slack (docs/memory-plan.md)
         for parts in each.values():
-            parts["workspace"] = cuda_only(sum(parts.values()))
+            parts["workspace"] = cuda_only(sum(parts.values())) + (NCCL_BUFFERS * communicators if processes > 1 else 0)
     return {name: {k: float(v) for k, v in parts.items() if v} for name, parts in each.items()}
 
 

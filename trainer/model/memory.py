@@ -25,7 +25,7 @@ import dataclasses
 import os
 from typing import Any
 
-from trainer.core.config import Config, Precision, strategies
+from trainer.core.config import Config, Precision, sharings
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
 from trainer.core.volume import Volume, free_bytes
@@ -41,6 +41,7 @@ from trainer.model.estimate import (  # noqa: F401  (the plan's public names sta
     phases,
     shape,
 )
+from trainer.model.host_memory import check_host_memory, checkpoint_staging_bytes, final_gather_bytes, host_memory_bytes  # noqa: F401
 
 GB = 1e9
 TOLERANCE = 0.15  # allowed error against RSS measured on CPU (fp32); against bench/simulate_memory.py: SIMULATED_TOLERANCE
@@ -60,6 +61,11 @@ class Plan:
     processes: int = 1
 
     phase: str = "forward"  # of the step, where the peak is
+    replicas: int = 1  # fsdp: replicas of the sharded model (HSDP: one per node, sharded within it); else 1
+
+    @property
+    def shards(self) -> int:
+        return self.processes // self.replicas if self.strategy == "fsdp" else 1
 
     @property
     def peak(self) -> float:
@@ -79,7 +85,7 @@ class Plan:
         sharing = {
             "none": "",
             "ddp": f"{self.processes} processes (ddp: a whole model each), per process: ",
-            "fsdp": f"{self.processes} processes (fsdp: 1/{self.processes} of the model each), per process: ",
+            "fsdp": f"{self.processes} processes (fsdp: 1/{self.shards} of the model each{self._replicated}), per process: ",
         }
         return (
             f"{sharing[self.strategy]}{self.sequences_per_pass} sequences x {self.passes_per_step} passes per step, activation checkpointing "
@@ -87,33 +93,44 @@ class Plan:
         )
 
 
+    @property
+    def _replicated(self) -> str:
+        return f", sharded within each of {self.replicas} nodes and replicated across them" if self.replicas > 1 else ""
+
+
 def plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1) -> Plan:
-    """The cheapest sharing of the model (none for one process; `auto`: ddp, else fsdp), then the fewest forward
-    passes per step, then the least recomputation, that fit `capacity` (0 = no limit) in each process.
+    """The cheapest sharing of the model (none for one process; `auto`: ddp, else fsdp; on several nodes fsdp within
+    each node first, HSDP), then the fewest forward passes per step, then the least recomputation, that fit
+    `capacity` (0 = no limit) in each process.
 
     `checkpointing` is FT_ACTIVATION_CHECKPOINTING; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
     """
-    ways = strategies(settings.distributed, processes)
-    chosen = [_plan(config, n_params, settings, precision, capacity, checkpointing, strategy, processes) for strategy in ways]
+    ways = sharings(settings, processes)
+    chosen = [_plan(config, n_params, settings, precision, capacity, checkpointing, strategy, processes, replicas) for strategy, replicas in ways]
     return next((c for c in chosen if c.fits), chosen[-1])
 
 
-def _plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, strategy: str, processes: int) -> Plan:
-    layouts = candidates(config, n_params, settings, precision, capacity, checkpointing, processes, strategy)
+def _plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, strategy: str, processes: int,
+          replicas: int) -> Plan:
+    layouts = candidates(config, n_params, settings, precision, capacity, checkpointing, processes, strategy, replicas)
     fitting = [c for c in layouts if c.fits]
     return fitting[0] if fitting else min(layouts, key=lambda c: c.peak)
 
 
 def candidates(
-    config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1, strategy: str | None = None
+    config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1, strategy: str | None = None,
+    replicas: int = 1,
 ) -> list[Plan]:
     """Every layout the settings allow, fastest first: the fewest passes per step, then the least recomputation.
 
     The plan is the first that fits; a job that runs out of memory anyway can walk down this list (each later one
-    makes the same updates with less memory).  `strategy`: none, ddp or fsdp; by default the one `plan` picks."""
+    makes the same updates with less memory).  `strategy`: none, ddp or fsdp, with `replicas` (HSDP); by default
+    the ones `plan` picks."""
     if strategy is None:
-        strategy = plan(config, n_params, settings, precision, capacity, checkpointing, processes).strategy
-    shards = processes if strategy == "fsdp" else 1
+        chosen = plan(config, n_params, settings, precision, capacity, checkpointing, processes)
+        strategy, replicas = chosen.strategy, chosen.replicas
+    shards = processes // replicas if strategy == "fsdp" else 1
+    communicators = 3 if replicas > 1 else 1  # HSDP: the default group, each node's shard group and the replicas' group
     effective = settings.batch_size * settings.gradient_accumulation_steps
     if settings.batch_layout == "as-set":
         layouts = [(settings.batch_size, settings.gradient_accumulation_steps)]
@@ -122,25 +139,29 @@ def candidates(
     layers = shape(config)["layers"]
     found = []
     for per_pass, passes in layouts:
-        for every in recomputation_choices(checkpointing, layers, bool(capacity)):
-            layout = {"sequences_per_pass": per_pass, "passes_per_step": passes, "max_length": settings.max_length, "checkpoint_every": every, "shards": shards}
+        for every in recomputation_choices(checkpointing, layers, bool(capacity), every_layer_only=strategy == "fsdp"):
+            layout = {"sequences_per_pass": per_pass, "passes_per_step": passes, "max_length": settings.max_length, "checkpoint_every": every, "shards": shards,
+                      "processes": processes, "communicators": communicators}
             each = phases(config, n_params, precision=precision, **layout)
             highest = max(each, key=lambda name: sum(each[name].values()))
-            found.append(Plan(per_pass, passes, every, each[highest], capacity, layers, strategy, processes, highest))
+            found.append(Plan(per_pass, passes, every, each[highest], capacity, layers, strategy, processes, highest, replicas))
     return found
 
 
-def recomputation_choices(policy: str, layers: int, limited: bool) -> list[int]:
+def recomputation_choices(policy: str, layers: int, limited: bool, every_layer_only: bool = False) -> list[int]:
     """`every_n_layers` values to try, least recomputation first (0 = none, 1 = every layer).
 
     Without a device limit (CPU) recomputation only costs time: `auto` is off and `selective` every 2nd layer.
+    `every_layer_only` (FSDP): accelerate 1.15's FSDP2 activation checkpointing (`fsdp2_apply_ac`) wraps every decoder
+    layer and has no every-n, so there is nothing between none and all (`selective` is every layer there): a plan
+    that said "selective" would recompute every layer, and a step down between two such plans would change nothing.
     """
     largest_n_per_count = {checkpointed_layers(n, layers): n for n in range(2, layers + 1)}
-    partial = [n for _, n in sorted(largest_n_per_count.items())]
+    partial = [] if every_layer_only else [n for _, n in sorted(largest_n_per_count.items())]
     return {
         "off": [0],
         "full": [1],
-        "selective": (partial or [1]) if limited else [min(2, layers)],
+        "selective": (partial or [1]) if limited or every_layer_only else [min(2, layers)],
         "auto": [0, *partial, 1] if limited else [0],
     }[policy]
 
@@ -226,53 +247,10 @@ def preflight(job: Config) -> Plan:
     disk = check_disk(settings, n_params, precision)
     if disk:
         problems.append(disk)
-    if host := check_host_memory(precision, n_params, chosen, cuda):
+    if host := check_host_memory(precision, n_params, chosen, cuda, job.processes_per_node):
         problems.append(host)
     if problems and settings.preflight == "fail":
         raise ConfigError("preflight: " + " ".join(problems))
     for problem in problems:
         print(f"fulltune: preflight warning: {problem}", flush=True)
     return chosen
-
-
-def checkpoint_staging_bytes(precision: Precision, n_params: int, strategy: str, processes: int) -> int:
-    """Host memory a process holds for the snapshot of an asynchronous checkpoint (trainer/checkpointing/saving.py):
-    its weights and AdamW states, copied once and reused from save to save, on the main process (on CPU, the pages
-    training rewrites while the forked writer runs: the whole state at worst).  Under FSDP
-    nothing is staged: each process writes its own shard through DCP straight from its memory (a tensor at a time
-    from a GPU)."""
-    return 0 if strategy == "fsdp" else precision.checkpoint_bytes * n_params
-
-
-def final_gather_bytes(precision: Precision, n_params: int, strategy: str) -> int:
-    """Host memory the main process holds under FSDP when the final model is gathered, once, weights only
-    (trainer/job.py); without FSDP the model is saved from where it is."""
-    return precision.weight_bytes * n_params if strategy == "fsdp" else 0
-
-
-def host_memory_bytes() -> int:
-    """The memory this container may use: its cgroup's limit when it has one, else the machine's."""
-    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/sys/fs/cgroup/memory.max", encoding="utf-8") as f:
-            limit = f.read().strip()
-        return min(machine, int(limit)) if limit.isdigit() else machine
-    except OSError:
-        return machine
-
-
-def check_host_memory(precision: Precision, n_params: int, chosen: Plan, cuda: bool) -> str | None:
-    """None when the host holds the checkpoint snapshot, or under FSDP the final model's gathered weights (and, on CPU,
-    the training state itself), else the problem."""
-    staging = checkpoint_staging_bytes(precision, n_params, chosen.strategy, chosen.processes)
-    staging = max(staging, final_gather_bytes(precision, n_params, chosen.strategy))  # one or the other, never both
-    training = 0 if cuda else precision.training_bytes * n_params // (chosen.processes if chosen.strategy == "fsdp" else 1)
-    host = host_memory_bytes()
-    if staging + training <= host:
-        return None
-    on_cpu = f" and {training / GB:.1f} GB of training state (CPU)" if training else ""
-    if chosen.strategy == "fsdp":
-        snapshot, fix = "the final model's weights, gathered on it once at the end", "Give the container more memory."
-    else:
-        snapshot, fix = "the checkpoint snapshot", "Give the container more memory, or shard the state over more processes (FT_DISTRIBUTED=fsdp)."
-    return f"the host has {host / GB:.1f} GB of memory; the main process needs {staging / GB:.1f} GB for {snapshot}{on_cpu}. {fix}"

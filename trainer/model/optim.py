@@ -13,11 +13,17 @@ The states stay fp32 (8 B/param; bf16 would save 4 more): in bf16, exp_avg_sq's 
 (1 - beta2 = 0.1 % of its value) is below half an ulp (0.2 %) and rounds away, so it cannot follow a
 gradient that shrinks: 7x too large 2000 steps after the gradients drop 10x (bench/RESULTS.md).
 
-The random bits come from a torch.Generator seeded with FT_SEED whose state is part of `state_dict()`,
-so a job resumed from a checkpoint computes the same weights as one that never stopped.
+The random bits come from a torch.Generator seeded, for each parameter at each step, from FT_SEED, the step, the
+parameter's place in the optimizer and (under FSDP) the shard: the bits are a function of where they are used, so
+nothing needs saving for a job resumed from a checkpoint to compute the same weights as one that never stopped,
+however the checkpoint was written (DCP, under FSDP, keeps only an optimizer's `state` and `param_groups`).  DDP's
+replicas draw the same bits, as they must to stay equal.
+
+Under FSDP2 the parameters, their gradients and the states are DTensors: the update runs on each one's local shard
+(`to_local()`), so the random bits have the shard's shape and every tensor of the update is this process's part.
 
 The step is one parameter at a time: besides the states it holds ~16 B x the largest parameter
-(fp32 weight, gradient, denominator, random bits), 6 GB for Qwen3-4B's embedding, after the
+(fp32 weight, gradient, denominator, random bits; its shard under FSDP), 6 GB for Qwen3-4B's embedding, after the
 backward has freed the activations.
 """
 
@@ -46,29 +52,18 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, seed: int = 0):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.seed = seed
-        self._generator: torch.Generator | None = None
-        self._pending_state: torch.Tensor | None = None  # loaded before the first step created the generator
+        self._generators: dict[torch.device, torch.Generator] = {}
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
-            if self._pending_state is not None:
-                self._generator.set_state(self._pending_state)
-                self._pending_state = None
-        return self._generator
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self._generator is not None:
-            state["rounding_generator"] = self._generator.get_state()
-        elif self._pending_state is not None:
-            state["rounding_generator"] = self._pending_state
-        return state
+    def generator(self, device: torch.device, step: int, index: int, shard: int) -> torch.Generator:
+        """The generator for one parameter's rounding at one step, reseeded: its bits depend on nothing else."""
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device)
+        return generator.manual_seed(hash((self.seed, step, index, shard)) & (2**63 - 1))  # an int tuple's hash: the same in every process
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
-        generator_state = state_dict.pop("rounding_generator", None)
+        state_dict.pop("rounding_generator", None)  # what checkpoints of earlier versions saved: the bits no longer need it
         super().load_state_dict(state_dict)
         # torch casts floating-point states to the parameter's dtype (bf16) on load: put the fp32 ones back
         params = [p for group in self.param_groups for p in group["params"]]
@@ -77,11 +72,6 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(i, {}).items():
                 if key != "step":
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
-        if generator_state is not None:
-            if self._generator is None:
-                self._pending_state = generator_state.cpu()
-            else:
-                self._generator.set_state(generator_state.cpu())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -89,28 +79,48 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = -1
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)  # a DTensor like p under FSDP
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
                 state["step"] += 1
                 step = state["step"].item()  # a CPU tensor (also after load_state_dict): no GPU sync
-                grad = p.grad.float()
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                weight, grad, exp_avg, exp_avg_sq = (local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+                grad = grad.float()
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
                 del grad
-                value = p.float()  # a copy when p is bf16; p itself when fp32
+                value = weight.float()  # a copy when the weight is bf16; the weight itself when fp32
                 value.mul_(1 - lr * decay).addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
-                if p.dtype == torch.bfloat16:
-                    stochastic_round_(p, value, self.generator(p.device))
-                elif p.dtype != torch.float32:
-                    p.copy_(value)
+                if weight.dtype == torch.bfloat16:
+                    stochastic_round_(weight, value, self.generator(weight.device, int(step), index, shard_index(p)))
+                elif weight.dtype != torch.float32:
+                    weight.copy_(value)
         return loss
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: a DTensor's local shard (its storage: updated in place), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def shard_index(tensor: torch.Tensor) -> int:
+    """Which shard of a DTensor this process holds, over the mesh dimensions it is sharded on (HSDP's replicas share
+    one: they must stay equal); 0 for a plain tensor (one process, or DDP's equal replicas)."""
+    mesh = getattr(tensor, "device_mesh", None)
+    if mesh is None:
+        return 0
+    coordinate, index = mesh.get_coordinate() or [], 0
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_shard():
+            index = index * mesh.size(dim) + coordinate[dim]
+    return index

@@ -97,6 +97,7 @@ def report(validated: settings.Settings, card: str | None) -> tuple[dict[str, An
         "recomputation": memory.checkpointing_label(chosen.checkpoint_every, layers),
         "processes": chosen.processes,
         "strategy": chosen.strategy,
+        "replicas": chosen.replicas,
         "peak_gb": round(chosen.peak / memory.GB, 2),
         "peak_phase": chosen.phase,
         "fits": chosen.fits,
@@ -107,7 +108,8 @@ def report(validated: settings.Settings, card: str | None) -> tuple[dict[str, An
 
 
 def describe(data: dict[str, Any]) -> str:
-    sharing = "one process" if data["processes"] == 1 else f"{data['processes']} processes ({data['strategy']})"
+    within = f" within each of {data['replicas']} nodes, replicated across them" if data["replicas"] > 1 else ""
+    sharing = "one process" if data["processes"] == 1 else f"{data['processes']} processes ({data['strategy']}{within})"
     lines = [
         f"fulltune plan: {data['model']} ({data['parameters'] / 1e9:.2f} B parameters), {data['precision']}, "
         f"FT_MAX_LENGTH={data['max_length']}, on {data['card']} ({data['capacity_gb']} GB)",

@@ -52,12 +52,18 @@ def optimizer_cls_and_kwargs(precision: Precision, args: Any) -> Any:
     return StochasticRoundingAdamW, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon, "seed": args.seed}
 
 
-def prepare_model(net: Any, settings: Settings, cuda: bool) -> Any:
-    """Switch the loaded model to our padding-free attention (trainer/model/attention.py) when passes are padding-free."""
+def prepare_model(net: Any, settings: Settings, cuda: bool, precision: Precision | None = None) -> Any:
+    """Switch the loaded model to our padding-free attention (trainer/model/attention.py) when passes are padding-free:
+    on CUDA torch's varlen kernel for a bf16 compute dtype, if its self-check passes, else SDPA per sequence.  A model
+    whose attention soft-caps its logits or has sinks keeps its own (slower, not wrong)."""
     if padding_free(settings, cuda) and net.config._attn_implementation not in ("flash_attention_2", "flash_attention_3"):
         from trainer.model import attention
 
-        net.set_attn_implementation(attention.register(cuda))  # on CUDA torch's varlen kernel, if its self-check passes
+        if why := attention.unsupported(net):
+            print(f"fulltune: attention: the model's own ({net.config._attn_implementation}): {why}, which fulltune's padding-free attention does not do",
+                  flush=True)
+            return net
+        net.set_attn_implementation(attention.register("cuda" if cuda else "cpu", precision))
     return net
 
 
@@ -96,6 +102,35 @@ def fsdp_config(plan: Any) -> dict[str, Any]:
     }
 
 
+def autocast(precision: Precision, plan: Any) -> bool:
+    """bf16 autocast (the Trainer's `bf16`): for bf16-mixed, and for bf16-sr except under FSDP.  bf16-sr's weights are
+    bf16 already (autocast changes nothing), and under FSDP accelerate 1.15 upcasts every weight to fp32 when mixed
+    precision is on (`fsdp2_prepare_model`): the job would train fp32 weights while the plan counts bf16 ones."""
+    return precision.bf16 and not (precision.stochastic_rounding and plan.strategy == "fsdp")
+
+
+def fsdp_mixed_precision(precision: Precision, plan: Any) -> dict[str, Any] | None:
+    """FSDP2's policy under bf16-mixed: layers gathered and computed in bf16, gradients reduce-scattered in fp32 into
+    the fp32 master gradients.  accelerate 1.15's own (`set_mixed_precision("bf16")`) also reduces in bf16, which
+    rounds every rank's gradient before the sum; one process and DDP sum them in fp32.  None: accelerate's default."""
+    if plan.strategy != "fsdp" or not autocast(precision, plan):
+        return None
+    import torch
+
+    return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.bfloat16}
+
+
+def hybrid_sharding(plan: Any) -> Any:
+    """HSDP for an FSDP plan over several nodes (`plan.replicas`): accelerate's mesh of `dp_replicate` (one per node)
+    x `dp_shard` (a node's processes), so each layer's all-gather and reduce-scatter stay within a node.  torchrun numbers
+    a node's processes consecutively, which is the mesh's inner dimension.  None: FSDP over every process."""
+    if plan.strategy != "fsdp" or plan.replicas == 1:
+        return None
+    from accelerate import ParallelismConfig
+
+    return ParallelismConfig(dp_replicate_size=plan.replicas, dp_shard_size=plan.processes // plan.replicas)
+
+
 def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, evaluate: bool = True) -> Any:
     """`plan` (trainer.model.memory.Plan) gives the passes per step and which layers recompute their activations.
 
@@ -104,7 +139,7 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
     """
     from trl import SFTConfig
 
-    return SFTConfig(
+    config = SFTConfig(
         output_dir=Volume(settings.output_dir).checkpoints,
         # -- batch and schedule
         per_device_train_batch_size=plan.sequences_per_pass,
@@ -140,7 +175,7 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         dataloader_num_workers=settings.dataloader_workers,
         dataloader_persistent_workers=settings.dataloader_workers > 0,
         # -- precision, memory and speed
-        bf16=precision.bf16,  # bf16-sr: the weights are bf16 already; autocast changes nothing
+        bf16=autocast(precision, plan),
         fp16=False,
         use_cpu=not cuda,
         activation_checkpointing=plan.checkpointing and plan.strategy != "fsdp",
@@ -150,8 +185,12 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         ddp_find_unused_parameters=False,  # every parameter takes part in every forward: no extra autograd traversal
         fsdp=plan.strategy == "fsdp",
         fsdp_config=fsdp_config(plan) if plan.strategy == "fsdp" else None,
+        parallelism_config=hybrid_sharding(plan),
         optim=optimizer(settings, cuda),
         torch_compile=settings.compile,
         use_liger_kernel=settings.liger,
         disable_tqdm=True,
     )
+    if policy := fsdp_mixed_precision(precision, plan):  # transformers 5.24 has no fsdp_config key for it: the plugin's own argument
+        config.fsdp_plugin_args["mixed_precision_policy"] = policy
+    return config

@@ -27,8 +27,10 @@ from transformers import TrainerCallback
 from trainer.core import ranks
 
 
-def honour_fsdp_on_cpu(trainer: Any) -> None:
-    """Make the Trainer's accelerator shard with FSDP on a CPU (gloo) process group, as it would on GPUs."""
+def honour_fsdp_on_cpu(trainer: Any, parallelism: Any = None) -> None:
+    """Make the Trainer's accelerator shard with FSDP on a CPU (gloo) process group, as it would on GPUs; with
+    `parallelism` (HSDP's ParallelismConfig, which accelerate refuses on a `MULTI_CPU` accelerator and so was held
+    back from it), its device mesh too, as `Accelerator.__init__` builds it."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -44,6 +46,10 @@ def honour_fsdp_on_cpu(trainer: Any) -> None:
     # the utilities that ask PartialState() instead of the Accelerator (saving, gathering) must see FSDP too.
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     trainer.is_fsdp_enabled = True  # transformers derives it from the state right after building the accelerator
+    if parallelism is not None:
+        state.parallelism_config = parallelism
+        state.device_mesh = parallelism.get_device_mesh(trainer.accelerator.device.type)
+        parallelism._validate_accelerator(trainer.accelerator)
 
 
 def trainer_class(cuda: bool, strategy: str) -> type:
@@ -75,6 +81,17 @@ def _job_trainer() -> type:
                         saver.saves.wait()
                 raise
 
+        def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+            """DDP's gradients as views into its all-reduce buckets (torch's `gradient_as_bucket_view`): without it the
+            reducer keeps flat buckets as large as every gradient beside `param.grad` (16 GB a GPU for Qwen3-4B in fp32),
+            which the memory plan does not count.  transformers 5.24 and accelerate 1.15 leave it False, and the Trainer
+            builds DDP's kwargs here only (a private method, the narrowest place)."""
+            args = super()._build_accelerator_args(**kwargs)
+            for handler in args.get("kwargs_handlers", []):
+                if hasattr(handler, "gradient_as_bucket_view"):
+                    handler.gradient_as_bucket_view = True
+            return args
+
         def _load_best_model(self) -> None:
             if saver := self._checkpoint_saver():
                 saver.wait_for_saves()  # the best checkpoint may still be being written
@@ -89,9 +106,14 @@ def _job_trainer() -> type:
 @functools.cache
 def _cpu_fsdp_trainer() -> type:
     class ShardedSFTTrainer(_job_trainer()):
+        def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+            args = super()._build_accelerator_args(**kwargs)
+            self._held_back = args.pop("parallelism_config", None)  # validated against FSDP, which is set only below
+            return args
+
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
-            honour_fsdp_on_cpu(self)
+            honour_fsdp_on_cpu(self, self._held_back)
 
     return ShardedSFTTrainer
 

@@ -24,6 +24,7 @@ from transformers import TrainerCallback
 
 from trainer.core import ranks
 from trainer.core.config import Config
+from trainer.core.ending import is_out_of_memory
 from trainer.core.errors import SmallestPlanOutOfMemory, StepDownRestart
 from trainer.core.files import read_json, write_json
 from trainer.core.volume import Volume
@@ -93,6 +94,7 @@ def _for(job: Config, plan: memory.Plan) -> dict[str, Any]:
         "model": s.model, "precision": job.precision.name, "max_length": s.max_length, "batch_size": s.batch_size,
         "gradient_accumulation_steps": s.gradient_accumulation_steps, "batch_layout": s.batch_layout,
         "activation_checkpointing": s.activation_checkpointing, "capacity": plan.capacity, "strategy": plan.strategy, "processes": plan.processes,
+        **({"replicas": plan.replicas} if plan.replicas > 1 else {}),  # a record of a flat FSDP plan stays valid
     }  # fmt: skip
 
 
@@ -103,7 +105,7 @@ def _plans(job: Config, plan: memory.Plan) -> list[memory.Plan]:
     settings = job.settings
     return memory.candidates(
         config, model.parameter_count(config, settings.trust_remote_code), settings, job.precision, plan.capacity,
-        settings.activation_checkpointing, plan.processes, plan.strategy,
+        settings.activation_checkpointing, plan.processes, plan.strategy, plan.replicas,
     )
 
 
@@ -139,13 +141,20 @@ class Ladder:
             except torch.OutOfMemoryError as error:
                 peak, how = measured_peak()
                 reason = " ".join(str(error).split())[:300]
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                # cuBLAS, cuDNN or NCCL out of device memory: the library's state after it is not to be trusted, so the
+                # process ends (75) and the launcher starts it again at the recorded plan (trainer/launch/launcher.py)
+                peak, how = measured_peak()
+                self._step_down(peak, how, " ".join(str(error).split())[:300], restart=True)
             gc.collect()  # the failed trainer and its tensors, now that the exception no longer holds its frames
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             self._step_down(peak, how, reason)
 
-    def _step_down(self, peak: float, how: str, reason: str) -> None:
+    def _step_down(self, peak: float, how: str, reason: str, restart: bool = False) -> None:
         failed = self.plan
         lower = next_down(failed, _plans(self.job, failed))
         self.record.setdefault("out_of_memory", []).append({"plan": _layout(failed), "described": failed.describe(), "measured_peak_bytes": peak,
@@ -155,9 +164,10 @@ class Ladder:
             raise SmallestPlanOutOfMemory(_describe_peak(peak, how), failed.describe(), fixes(self.job, failed))
         self.record.update({"for": _for(self.job, lower), "plan": _layout(lower), "described": lower.describe(), "fit": None})
         self._write()
-        if ranks.world_size() > 1:  # the launcher says it in one line, for the whole job
+        if restart or ranks.world_size() > 1:  # the launcher says it in one line, for the whole job
+            where = "on one of several processes" if ranks.world_size() > 1 else f"({reason[:120]})"
             raise StepDownRestart(
-                f"out of GPU memory with {_short(failed)} (measured peak {_describe_peak(peak, how)}) on one of several processes: "
+                f"out of GPU memory with {_short(failed)} (measured peak {_describe_peak(peak, how)}) {where}: "
                 f"the next plan down ({_short(lower)}) is recorded in {self.volume.memory_plan_file}; the processes start again there"
             )
         print(
