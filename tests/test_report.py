@@ -161,7 +161,8 @@ def test_secrets_are_masked_each_attempt_is_a_row_and_prompts_are_turns():
                          "reference": "b a", "answer": "b a"}],
             "plan": {"peak": 2e9, "breakdown": {"weights": 2e9}, "described": "plan", "cuda": True},
             "where": {"checkpoints": "/v/checkpoints", "committed": ["checkpoint-4"]},
-            "hyperparameters": {"FT_MAX_STEPS": "10", "FT_API_TOKEN": "tok-do-not-leak", "FT_DATASET": "https://bob:pw-do-not-leak@host/d.jsonl"},
+            "hyperparameters": {"FT_MAX_STEPS": "10", "FT_API_TOKEN": "tok-do-not-leak", "FT_DATASET": "https://bob:pw-do-not-leak@host/d.jsonl",
+                                "FT_EVAL_SAMPLE_TOKENS": "16"},
             "attempts": [
                 {"started": 1000.0, "from_step": 0, "ended": 1060.0, "outcome": "stopped by a signal at step 4 (exit 75)"},
                 {"started": 1100.0, "from_step": 4, "ended": 1130.0, "outcome": "finished at step 10"},
@@ -171,6 +172,7 @@ def test_secrets_are_masked_each_attempt_is_a_row_and_prompts_are_turns():
     assert "do-not-leak" not in page
     assert table_after(page, "Sample answers")[1][0] == "userReverse: a b" and "im_start" not in page, "the prompt as its turns"
     assert dict(table_after(page, "Hyperparameters"))["FT_API_TOKEN"] == "****"
+    assert dict(table_after(page, "Hyperparameters"))["FT_EVAL_SAMPLE_TOKENS"] == "16", "a count of tokens is no secret"
     assert [row[2:] for row in table_after(page, "Attempts")[1:]] == [
         ["from step 0", "stopped by a signal at step 4 (exit 75)", "60 s"],
         ["resumed from step 4", "finished at step 10", "30 s"],

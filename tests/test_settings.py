@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import ROOT, job_env, run_job, termination_message
-from trainer.core import config, errors, settings, settings_doc
+from trainer.core import config, errors, refusals, settings, settings_doc
 from trainer.core.errors import ConfigError
 
 # The public names. Removing or renaming one breaks users' manifests: change this set on purpose only.
@@ -62,6 +62,32 @@ def test_an_unknown_ft_variable_is_rejected_and_a_secret_looking_value_is_masked
     with pytest.raises(ConfigError, match=r"FT_LEARNIN_RATE='1e-4': is not a fulltune setting") as caught:
         settings.load({"FT_LEARNIN_RATE": "1e-4", "FT_API_TOKEN": "hunter2"})
     assert "FT_API_TOKEN=****" in str(caught.value) and "hunter2" not in str(caught.value)
+
+
+SECRETS = ("HF_TOKEN", "FT_API_TOKEN", "MLFLOW_TRACKING_TOKEN", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY",
+           "AZURE_CLIENT_SECRET", "OPENAI_API_KEY", "FT_APIKEY", "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_CONNECTION_STRING", "FT_TOKEN_SECRET")
+NOT_SECRETS = ("FT_EVAL_SAMPLE_TOKENS", "FT_MAX_TOKENS", "FT_TOKENIZER", "FT_MAX_LENGTH", "FT_MODEL")
+
+
+def test_secret_named_variables_are_masked_and_settings_that_count_tokens_are_not():
+    assert [name for name in SECRETS if refusals.shown(name, "v") != "****"] == []
+    assert [name for name in NOT_SECRETS if refusals.shown(name, "16") != "'16'"] == []
+    with pytest.raises(ConfigError) as caught:
+        settings.load({"FT_PLATFORM": "none", "FT_EVAL_SAMPLE_TOKENS": "0"})
+    assert "FT_EVAL_SAMPLE_TOKENS='0': out of range" in str(caught.value)  # the refused value is shown: it is a count, not a token
+
+
+@pytest.mark.faults("an invalid value and a rule across two settings broken, together")
+def test_a_rule_across_two_settings_is_reported_with_the_invalid_values_in_one_error():
+    with pytest.raises(ConfigError) as caught:
+        settings.load({"FT_PLATFORM": "none", "FT_MAX_STEPS": "many", "FT_SAVE_STEPS": "30", "FT_EVAL_FRACTION": "1.5"})
+    message = str(caught.value)
+    assert message.startswith("3 invalid setting(s)")
+    assert "FT_MAX_STEPS='many'" in message and "FT_SAVE_STEPS='30': must be a multiple of FT_EVAL_STEPS=25" in message
+    assert "FT_EVAL_FRACTION='1.5': must be >= 0 and < 1" in message
+    with pytest.raises(ConfigError) as caught:  # a rule whose other setting is itself invalid waits for it: no second-hand complaint
+        settings.load({"FT_PLATFORM": "none", "FT_EVAL_STEPS": "often", "FT_SAVE_STEPS": "30"})
+    assert str(caught.value).startswith("1 invalid setting(s)") and "FT_EVAL_STEPS='often'" in str(caught.value)
 
 
 @pytest.mark.faults

@@ -22,7 +22,9 @@ from typing import Any, Literal
 from trainer.core.errors import ConfigError
 from trainer.core.precedence import PREFIX
 
-SECRET_NAME = re.compile(r"TOKEN|PASSWORD|SECRET|CREDENTIAL|API_KEY|ACCESS_KEY|CONNECTION_STRING", re.I)
+# A variable whose value is masked wherever it is shown: TOKEN as a word of its name (HF_TOKEN, MLFLOW_TRACKING_TOKEN; not
+# FT_EVAL_SAMPLE_TOKENS, a count), and the other secret words anywhere in it.
+SECRET_NAME = re.compile(r"(?:^|_)TOKEN(?:_|$)|PASSWORD|PASSWD|SECRET|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CONNECTION_STRING", re.I)
 CHANGES = ("", "data", "training")  # what a setting changes: nothing of the result, the tokenized data, or the training
 INT_MAX = 2**31 - 1  # the largest integer setting unless its field says otherwise: every count stays a 32-bit integer downstream
 MAX_SEQUENCES_PER_STEP = 2**16  # FT_BATCH_SIZE x FT_GRADIENT_ACCUMULATION_STEPS: the memory plan tries every split of it
@@ -280,8 +282,9 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             problems[name] = "; ".join(str(m).rstrip(".") for m in messages) + f" (allowed: {BY_ENV_NAME[name].allowed})"
     for name in unknown:
         problems[name] = refusals.not_a_setting(name)
+    # With the per-variable ones, in the same error: each rule whose settings all parsed
+    problems.update(refusals.cross_checks(values, invalid={BY_ENV_NAME[name].name for name in problems if name in BY_ENV_NAME}))
     if not problems:
-        problems.update(refusals.cross_checks(values))
         values = {k: v + 0.0 if isinstance(v, float) else v for k, v in values.items()}  # -0 is 0: the same fingerprint, the same params
     if problems:
         lines = [f"  {name}={refusals.shown(name, layered.get(name))!s}: {why}" for name, why in sorted(problems.items())]
