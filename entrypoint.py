@@ -19,7 +19,7 @@ import os
 import sys
 
 from trainer.checkpointing import layout
-from trainer.core import cluster, config, ending, errors, permissions, platforms, settings
+from trainer.core import cluster, config, ending, errors, locations, permissions, platforms, settings
 from trainer.launch import launcher as launch
 from trainer.launch import lease
 
@@ -56,6 +56,7 @@ def main() -> int:
     ending.set_termination_message_path({**implied, **os.environ}.get("FT_TERMINATION_MESSAGE_PATH", ending.DEFAULT_TERMINATION_LOG))
     try:
         validated = settings.load(os.environ)
+        locations.check(validated, before_the_preset=True)  # a local FT_MODEL or FT_DATASET that does not exist: exit 2 before torch loads
         permissions.check_writable(validated.output_dir)  # in a second, before any model or data is loaded
         # Exit 7 while another job runs on this volume, before anything is written to it; released however the job ends.
         with lease.held(validated, stopping=lambda: bool(stops.received), on_lost=stops.end_now):

@@ -135,6 +135,22 @@ def test_resume_across_epoch_boundaries_is_exact(tmp_path):
     assert max_weight_difference(reference / name, out / name) <= 1e-5
 
 
+@pytest.mark.faults("a restart naming the volume another way")
+def test_a_job_stopped_under_a_relative_output_dir_resumes_when_restarted_with_its_absolute_path(tmp_path):
+    """`./out/` from the job's folder and its absolute path are one volume: the same fingerprint, the same demo files."""
+    settings = STEPS | {"FT_MAX_STEPS": "20", "FT_REGISTERED_MODEL": ""}
+    env = job_env("./out/", **settings) | {"FT_TERMINATION_MESSAGE_PATH": str(tmp_path / "termination-log")}
+    with open(tmp_path / "1.log", "w") as log:
+        stopped = subprocess.run([sys.executable, str(ROOT / "entrypoint.py")], env=with_faults(env, sigterm_at_step=13), cwd=tmp_path,
+                                 stdout=log, stderr=subprocess.STDOUT, timeout=300)
+    assert stopped.returncode == 75, (tmp_path / "1.log").read_text()
+    stop_step = max(committed_steps(tmp_path / "out"))
+    result = run_job(env | {"FT_OUTPUT_DIR": str(tmp_path / "out")})  # from the repository's folder, the volume by its absolute path
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"resuming from {tmp_path}/out/checkpoints/checkpoint-{stop_step}" in result.stdout
+    assert committed_steps(tmp_path / "out")[-1] == 20
+
+
 @pytest.mark.faults("a restart with a setting that changes the result")
 def test_restart_with_a_changed_learning_rate_exits_2_naming_it(uninterrupted):
     env = job_env(uninterrupted, **STEPS, FT_LEARNING_RATE="3e-3")

@@ -272,6 +272,9 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
             parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]  # env.float refuses nan and inf
             values[s.name] = parse(key, s.default, validate=validate)
+    values["output_dir"] = locations.real_path(values["output_dir"])  # one spelling of each local path before anything compares or stores it
+    for name, data in (("model", False), ("dataset", True), ("eval_dataset", True)):
+        values[name] = locations.normalised(values[name], data=data)
     if "FT_REGISTERED_MODEL" not in layered:  # the seed's name for the seed's model only: a 0.4M-parameter model is no qwen3_4b_assistant
         values["registered_model"] = locations.registered_name(values["model"])
     problems: dict[str, str] = {}
