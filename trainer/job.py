@@ -14,7 +14,7 @@ from typing import Any
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption
 from trainer.core import config as job_config
-from trainer.core import devices, locations, ranks
+from trainer.core import devices, locations, ranks, schedule
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
@@ -27,7 +27,7 @@ from trainer.data import prepare as data
 from trainer.launch import launcher
 from trainer.model import attention, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
-from trainer.tracking import overview, packaging, progress, quiet, report, samples, summary
+from trainer.tracking import overview, packaging, progress, quiet, report, samples, scoring, summary
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker
@@ -65,12 +65,14 @@ def run(config: Config, tracker: Tracker) -> None:
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     job_config.check_fingerprint(config)
-    overview.print_plan(config, prepared, plan)
+    steps = schedule.of(settings, len(prepared.train), config.world_size)  # FT_MAX_STEPS or FT_NUM_EPOCHS, now that the rows are known
+    tracker.planned_steps = steps.steps
+    overview.print_plan(config, prepared, plan, steps)
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
     with tracker:
         tracker.log(**data_report.tracked(prepared.report))
-        run_report = report.RunReport(_report_facts(config, plan, prepared), tracker, committed=lambda: _committed(volume))
+        run_report = report.RunReport(_report_facts(config, plan, prepared, steps), tracker, committed=lambda: _committed(volume))
         trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker)
         metadata = save_final(config, trainer, tokenizer, volume, tracker)
         if ranks.is_main():
@@ -79,16 +81,18 @@ def run(config: Config, tracker: Tracker) -> None:
                 _register(config, volume, metadata, tracker)
             finally:
                 run_report.finished()  # also after a failed registration (exit 3): it says where the model is
+                if line := scoring.said_at_the_end(volume.eval_samples, volume.report):
+                    print(line, flush=True)
 
 
-def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared) -> report.ReportFacts:
+def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared, steps: schedule.Schedule) -> report.ReportFacts:
     settings = config.settings
     return report.ReportFacts(
         title=config.run_name,
         model=settings.model,
         data=settings.dataset,
         precision=config.precision.name,
-        max_steps=settings.max_steps,
+        max_steps=steps.steps,
         output_dir=settings.output_dir,
         plan={"peak": plan.peak, "breakdown": plan.breakdown, "described": plan.describe(), "cuda": config.cuda},
         data_report=data_report.report_text(prepared.report),
@@ -123,7 +127,8 @@ def build_trainer(
         tracker.log(tags={"attention": attention.path_taken(net)})  # which attention trained (the loop, torch's varlen kernel, sdpa)
     quiet.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
     eval_rows = recipe.eval_rows(settings, prepared.eval)
-    args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
+    steps = schedule.of(settings, len(prepared.train), config.world_size)
+    args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None, steps=steps)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
     refuse = divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete)  # a NaN save never counts
     saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda)
@@ -142,7 +147,7 @@ def build_trainer(
             *samples.callbacks(config, tokenizer, prepared, plan, tracker),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             MetricsCallback(tracker),
-            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs),
+            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs, by_epochs=steps.by_epochs),
             # last: the diverged loss is logged and printed first
             divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit, settle=saver.wait_for_saves),
         ],
@@ -272,7 +277,7 @@ def main() -> int:
         code = exit_code_for(error)
     if ranks.is_main() and config is not None:
         settings = config.settings
-        print(summary.line(code, time.perf_counter() - STARTED, tracker, settings.output_dir, settings.max_steps), flush=True)
+        print(summary.line(code, time.perf_counter() - STARTED, tracker, settings.output_dir, tracker.planned_steps if tracker else None), flush=True)
     sys.stdout.flush()
     record_exit(code)
     return code

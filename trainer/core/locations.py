@@ -86,6 +86,9 @@ def check(settings: Settings, *, before_the_preset: bool = False) -> None:
     specs = (("FT_MODEL", settings.model, False), ("FT_DATASET", settings.dataset, True), ("FT_EVAL_DATASET", settings.eval_dataset, True))
     built = {normalised(path) for path in precedence.preset_defaults(settings.preset, settings.output_dir).values()} if before_the_preset else set()
     problems = [why for variable, spec, data in specs if spec and spec not in built and (why := missing(variable, spec, data=data))]
+    if settings.chat_template and not os.path.isfile(settings.chat_template):
+        problems.append(f"FT_CHAT_TEMPLATE={settings.chat_template!r}: no such file{_nearest(settings.chat_template)}; "
+                        "it names a file holding a Jinja chat template")
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -26,8 +26,9 @@ def cross_checks(values: dict[str, Any], invalid: set[str] | frozenset[str] = fr
     if parsed("batch_size", "gradient_accumulation_steps") and values["batch_size"] * values["gradient_accumulation_steps"] > MAX_SEQUENCES_PER_STEP:
         problems["FT_BATCH_SIZE"] = (f"times FT_GRADIENT_ACCUMULATION_STEPS={values['gradient_accumulation_steps']} "
                                      f"must be at most {MAX_SEQUENCES_PER_STEP} sequences per optimizer step")
-    if parsed("eval_fraction") and not 0.0 <= values["eval_fraction"] < 1.0:
-        problems["FT_EVAL_FRACTION"] = "must be >= 0 and < 1"
+    for name in ("eval_fraction", "warmup_ratio"):
+        if parsed(name) and not 0.0 <= values[name] < 1.0:
+            problems[f"FT_{name.upper()}"] = "must be >= 0 and < 1"
     for name, why in (("output_dir", "must name a folder (the mounted volume)"), ("model", "must name a hub id or a local folder"),
                       ("dataset", "must name a hub id, a folder or files")):
         if parsed(name) and not values[name].strip():

@@ -67,6 +67,9 @@ class Settings:
     eval_fraction: float = setting(0.1, "Share of the checked training rows held out for validation (seed `FT_SEED`) when there "
                                         "is no `FT_EVAL_DATASET` and no `test` split; 0 = no validation, and the final model is "
                                         "the last step's rather than the best by eval loss.", minimum=0.0, changes="data")
+    chat_template: str = setting("", "A file holding a Jinja chat template (`chat_template.jinja`, say) that renders every row and is saved with the model "
+                                     "in place of the tokenizer's own (the fingerprint records its content). Empty = the tokenizer's own, ChatML when it "
+                                     "has none.", changes="data")
     data_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text"] = setting("auto", "Row format: `messages` (role/content), "
         "`sharegpt` (`conversations` of from/value), `prompt_completion`, `alpaca` (`instruction`, optional `input`, `output`), "
         "or `text`; `auto` detects it from the columns ([row formats](data.md#row-formats-ft_data_format)).", changes="data")
@@ -84,10 +87,16 @@ class Settings:
     data_cache: bool = setting(True, "Keep the checked, tokenized data under `FT_OUTPUT_DIR/.fulltune/data-cache/`, keyed by "
                                      "data source, tokenizer and data settings, so a restart skips checking and tokenizing.")
     # -- Optimisation --------------------------------------------------------------------------------
-    max_steps: int = setting(50, "Optimizer steps to train.", minimum=1, changes="training", group="Optimisation")
+    max_steps: int = setting(50, "Optimizer steps to train, unless `FT_NUM_EPOCHS` is set.", minimum=1, changes="training", group="Optimisation")
+    num_epochs: float = setting(0.0, "Passes over the training rows (`3`, or a fraction); one epoch is ceil(rows / sequences per optimizer step) "
+                                     "steps, the last one short. 0 = train `FT_MAX_STEPS` steps. Set, it wins over a preset's or the default step "
+                                     "count; with `FT_MAX_STEPS` set as explicitly, `FT_MAX_STEPS` wins ([precedence](settings.md#precedence)).",
+                                minimum=0.0, changes="training")
     learning_rate: float = setting(2e-05, "Peak learning rate of AdamW.", minimum=0.0, changes="training")
     lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = setting("linear", "Learning-rate schedule after warm-up.", changes="training")
-    warmup_steps: int = setting(10, "Linear warm-up steps.", minimum=0, changes="training")
+    warmup_steps: int = setting(10, "Linear warm-up steps, unless `FT_WARMUP_RATIO` is set.", minimum=0, changes="training")
+    warmup_ratio: float = setting(0.0, "Linear warm-up as a share of the training steps, rounded up (`0.03`, say; below 1); 0 = `FT_WARMUP_STEPS`. "
+                                       "It wins over `FT_WARMUP_STEPS` as `FT_NUM_EPOCHS` wins over `FT_MAX_STEPS`.", minimum=0.0, changes="training")
     weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0, changes="training")
     max_grad_norm: float = setting(1.0, "Gradient clipping norm; 0 = no clipping.", minimum=0.0, changes="training")
     divergence_patience: int = setting(3, "Stop the job (exit 5) when the logged training loss is NaN, infinite or above "
@@ -260,7 +269,8 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
 
     environ = dict(os.environ if environ is None else environ)
     unknown = sorted(k for k in environ if k.upper().startswith(PREFIX) and k not in BY_ENV_NAME)  # `ft_max_steps` too: never ignored silently
-    platform, layered = precedence.layered(environ)
+    platform, levels = precedence.layers(environ)
+    layered = {k: v for level in levels for k, v in level.items()}
     env = precedence.reader(layered)
     values = {}
     for s in TABLE:
@@ -272,9 +282,12 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
             parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]  # env.float refuses nan and inf
             values[s.name] = parse(key, s.default, validate=validate)
+    for name in precedence.losers(levels) & {"FT_NUM_EPOCHS", "FT_WARMUP_RATIO"}:  # FT_MAX_STEPS (FT_WARMUP_STEPS) set as explicitly: it wins
+        values[BY_ENV_NAME[name].name] = 0.0
     values["output_dir"] = locations.real_path(values["output_dir"])  # one spelling of each local path before anything compares or stores it
     for name, data in (("model", False), ("dataset", True), ("eval_dataset", True)):
         values[name] = locations.normalised(values[name], data=data)
+    values["chat_template"] = locations.real_path(values["chat_template"])  # a file, always local
     if "FT_REGISTERED_MODEL" not in layered:  # the seed's name for the seed's model only: a 0.4M-parameter model is no qwen3_4b_assistant
         values["registered_model"] = locations.registered_name(values["model"])
     problems: dict[str, str] = {}
