@@ -147,6 +147,7 @@ def test_two_epochs_train_two_epochs_of_steps_and_a_stop_past_the_first_resumes_
     summary = reference.stdout.strip().splitlines()[-1]
     assert f" steps={2 * per_epoch}/{2 * per_epoch} " in summary, summary
     assert f"2 epoch(s) of {per_epoch} steps = {2 * per_epoch} steps (FT_NUM_EPOCHS=2)" in reference.stdout
+    assert f"warm-up {-(-2 * per_epoch // 10)} steps (FT_WARMUP_RATIO=0.1)" in reference.stdout  # the preset's ratio of these steps
     assert re.search(rf"step={2 * per_epoch}/{2 * per_epoch} loss=.* epoch=2\.0$", reference.stdout, re.M), "the progress line's epoch"
 
     out = tmp_path / "volume"
