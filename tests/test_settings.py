@@ -109,7 +109,7 @@ def test_invalid_setting_is_named_with_what_is_allowed(env, message):
 def test_explicit_variables_override_the_demo_preset():
     config = settings.load({"FT_PRESET": "demo", "FT_OUTPUT_DIR": "/v", "FT_MAX_STEPS": "7", "FT_PLATFORM": "none"})
     assert config.max_steps == 7
-    assert config.model == "/v/demo/model" and config.learning_rate == 1e-3
+    assert config.model == "/v/demo/model" and config.learning_rate == 2e-3
 
 
 @pytest.mark.parametrize(
@@ -118,8 +118,8 @@ def test_explicit_variables_override_the_demo_preset():
         ({}, 0.0, 50, 0.0, 10),  # the reference recipe: FT_MAX_STEPS, FT_WARMUP_STEPS
         ({"FT_NUM_EPOCHS": "3", "FT_WARMUP_RATIO": "0.1"}, 3.0, 50, 0.1, 10),  # explicit beats the defaults
         ({"FT_NUM_EPOCHS": "3", "FT_MAX_STEPS": "30", "FT_WARMUP_RATIO": "0.1", "FT_WARMUP_STEPS": "2"}, 0.0, 30, 0.0, 2),  # both explicit: steps
-        ({"FT_PRESET": "demo", "FT_NUM_EPOCHS": "2"}, 2.0, None, 0.0, None),  # explicit epochs beat the preset's steps
-        ({"FT_PRESET": "demo", "FT_MAX_STEPS": "7"}, 0.0, 7, 0.0, None),
+        ({"FT_PRESET": "demo", "FT_NUM_EPOCHS": "2"}, 2.0, None, 0.1, None),  # explicit epochs beat the preset's steps; its ratio stays
+        ({"FT_PRESET": "demo", "FT_MAX_STEPS": "7", "FT_WARMUP_STEPS": "1"}, 0.0, 7, 0.0, 1),  # explicit steps beat the preset's ratio
     ],
 )
 def test_epochs_and_a_warmup_ratio_win_over_step_counts_set_less_explicitly_and_give_way_to_ones_set_as_explicitly(env, epochs, steps, ratio, warmup):

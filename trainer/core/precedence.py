@@ -6,7 +6,7 @@
   3. the preset's defaults (`FT_PRESET=demo`);
   4. the field's default (the reference recipe).
 
-`layered` builds that one mapping and `reader` parses it with environs, so parsing neither changes nor depends
+`layers` and `layered` build that one mapping and `reader` parses it with environs, so parsing neither changes nor depends
 on the process environment; `losers` says which of two settings that say the same thing gives way (FT_NUM_EPOCHS
 set explicitly wins over a preset's FT_MAX_STEPS; both explicit, FT_MAX_STEPS wins).  settings.py's `load` is the one caller.
 """
@@ -68,10 +68,9 @@ def layers(environ: Mapping[str, str]) -> tuple[str, list[dict[str, str]]]:
     return platform, [preset_defaults(preset, output_dir), dict(platform_env), dict(cluster_env), dict(environ)]
 
 
-def layered(environ: Mapping[str, str]) -> tuple[str, dict[str, str]]:
-    """The detected platform's name, and every value in order of precedence (later wins)."""
-    platform, levels = layers(environ)
-    return platform, {k: v for level in levels for k, v in level.items()}
+def layered(levels: list[dict[str, str]]) -> dict[str, str]:
+    """Every value, each from the highest level that sets it."""
+    return {k: v for level in levels for k, v in level.items()}
 
 
 def level(levels: list[dict[str, str]], name: str) -> int:

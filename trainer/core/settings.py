@@ -270,7 +270,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     environ = dict(os.environ if environ is None else environ)
     unknown = sorted(k for k in environ if k.upper().startswith(PREFIX) and k not in BY_ENV_NAME)  # `ft_max_steps` too: never ignored silently
     platform, levels = precedence.layers(environ)
-    layered = {k: v for level in levels for k, v in level.items()}
+    layered = precedence.layered(levels)
     env = precedence.reader(layered)
     values = {}
     for s in TABLE:
