@@ -72,7 +72,7 @@ def test_demo_job_run_is_finished_with_loss_eval_loss_and_the_effective_configur
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "demo_full-fine-tuning"  # the model's name, not its path
     assert {"loss", "eval_loss"} <= set(run.data.metrics)
-    assert run.data.params["FT_LEARNING_RATE"] == "0.002" and run.data.params["FT_PRESET"] == "demo"
+    assert run.data.params["FT_LEARNING_RATE"] == "0.001" and run.data.params["FT_PRESET"] == "demo"
     assert any(key.startswith("system/") for key in run.data.metrics), "system metrics are logged"
     everything = result.stdout + result.stderr + repr(run.data.params) + repr(run.data.tags)
     assert SECRET not in everything

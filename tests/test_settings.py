@@ -109,7 +109,7 @@ def test_invalid_setting_is_named_with_what_is_allowed(env, message):
 def test_explicit_variables_override_the_demo_preset():
     config = settings.load({"FT_PRESET": "demo", "FT_OUTPUT_DIR": "/v", "FT_MAX_STEPS": "7", "FT_PLATFORM": "none"})
     assert config.max_steps == 7
-    assert config.model == "/v/demo/model" and config.learning_rate == 2e-3
+    assert config.model == "/v/demo/model" and config.learning_rate == 1e-3
 
 
 @pytest.mark.parametrize(
