@@ -161,7 +161,7 @@ def demo_assets(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_job_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The demo job (40 steps, registered in the embedded store), run once for the tests that look at its results."""
+    """The demo job as the README runs it (240 steps, registered in the embedded store), run once for the tests that look at its results."""
     out = tmp_path_factory.mktemp("demo") / "volume"
     # MLflow samples system metrics every 10 s by default, longer than this demo job trains.
     result = run_job(job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5"))

@@ -182,6 +182,7 @@ def test_deploy_guide_has_a_copy_paste_block_per_target_naming_files_that_exist(
         section = guide.split(f"### Run on {target}\n", 1)[1].split("\n### ", 1)[0]
         assert "```bash\n" in section, target
     for path in re.findall(r"\b((?:deploy|k8s)/[\w./$-]+\.(?:json|ya?ml))", guide):
-        assert (REPO / path).exists(), path
+        for overlay in ("generic", "gke", "eks") if "$OVERLAY" in path else ("",):  # the block's OVERLAY= choices
+            assert (REPO / path.replace("$OVERLAY", overlay)).exists(), path
     for overlay in re.findall(r"k8s/overlays/(\w+)", guide) + ["generic", "gke", "eks"]:
         assert (REPO / "k8s" / "overlays" / overlay / "kustomization.yaml").exists(), overlay

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.container, pytest.mark.slow]
 
 # One thread: the demo model gains nothing from a second one and loses much on a busy machine (100 steps:
 # 5 s instead of 20 with a second job on the cores).  The training process must get it, not "None".
-DEMO = {"FT_PRESET": "demo", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+DEMO = {"FT_PRESET": "demo", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "FT_BATCH_SIZE": "4", "FT_GRADIENT_ACCUMULATION_STEPS": "2"}  # short steps
 # Long enough that a stop sent after the first checkpoint lands while the job still trains: 80 more
 # steps, at least 4 s on a fast idle machine (0.05 s a step), where the stop takes well under 1 s.
 STEPS = {"FT_MAX_STEPS": "100", "FT_SAVE_STEPS": "20", "FT_EVAL_STEPS": "20"}

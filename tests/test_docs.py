@@ -96,3 +96,14 @@ def test_help_strings_say_what_a_setting_does_in_a_sentence_or_two():
     for s in settings.TABLE:
         sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", re.sub(r"\(\[[^\]]*\]\([^)]*\)\)", "", s.help).strip())
         assert len(s.help) <= 400 and len(sentences) <= 2, (s.env_name, len(s.help), sentences)
+
+
+def test_the_readme_serves_the_demo_from_the_store_it_wrote_and_says_how_to_get_torch_for_cpu():
+    text = README.read_text()
+    blocks = "\n".join(re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M))
+    assert "FT_PRESET=demo FT_OUTPUT_DIR=./out python entrypoint.py" in blocks
+    serve = [line for line in blocks.splitlines() if "trainer.serving.openai_server" in line]
+    # the demo's embedded store is FT_OUTPUT_DIR/mlflow/mlflow.db; without MLFLOW_TRACKING_URI MLflow makes an empty one here
+    assert serve and all(line.startswith("MLFLOW_TRACKING_URI=sqlite:///$PWD/out/mlflow/mlflow.db python -m") for line in serve), serve
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text, "the CPU build, not CUDA's GBs"
+    assert ".venv-deploy/bin/pip install -r deploy/requirements-validators.txt" in text, "the validators' own venv is named"

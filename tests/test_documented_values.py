@@ -384,7 +384,11 @@ ELSEWHERE = {
     "FT_OUTPUT_DIR": "test_runs_from_another_directory_with_a_relative_output_dir",
     "FT_REGISTERED_MODEL": "test_job_against_a_real_mlflow_server",  # ci.models.reverser there; empty = not registered here
     "FT_RUN_NAME": "test_job_against_a_real_mlflow_server",  # nightly-7 there; empty = <model>_full-fine-tuning in test_job.py
-    "FT_SYSTEM_METRICS": "test_demo_model_learns_to_reverse_held_out_word_lists",  # false there, true in test_job.py
+    "FT_SYSTEM_METRICS": "test_a_huge_learning_rate_exits_5_naming_the_step_and_the_last_good_checkpoint_and_a_retry_diverges_again",  # false there
+    # 2 there (the demo's 0: FT_MAX_STEPS); FT_WARMUP_RATIO 0.1, the demo preset's, there too
+    "FT_NUM_EPOCHS": "test_two_epochs_train_two_epochs_of_steps_and_a_stop_past_the_first_resumes_to_the_uninterrupted_weights",
+    "FT_WARMUP_RATIO": "test_two_epochs_train_two_epochs_of_steps_and_a_stop_past_the_first_resumes_to_the_uninterrupted_weights",
+    "FT_CHAT_TEMPLATE": "test_a_template_file_renders_the_rows_and_is_the_saved_models_template",  # empty everywhere else
     # 12 there; 0 (one try) in test_failed_registration_exits_3_keeps_the_model_and_a_retry_only_registers
     "FT_REGISTRATION_RETRY_SECONDS": "test_a_server_still_down_at_the_end_exits_3_keeping_the_model_and_the_metrics_and_a_retry_sends_them_and_registers",
     "FT_PLATFORM": "test_every_platform_in_the_settings_table_can_be_forced",

@@ -10,7 +10,7 @@ import sys
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_files import OVERLAYS, REPO, dockerfile, entrypoint, image_env, one, pod_failure_rule, render, tool
+from deploy_files import OVERLAYS, REPO, SCALE_OVERLAYS, dockerfile, entrypoint, image_env, one, pod_failure_rule, render, tool
 
 from trainer.core import settings
 
@@ -239,7 +239,7 @@ def _as_the_pod_runs(objects, tmp_path, configmap_changes=None):
 
 @pytest.mark.slow
 def test_the_rendered_pod_runs_the_demo_job_to_the_end(rendered, tmp_path):
-    command, env, cwd = _as_the_pod_runs(rendered["generic"], tmp_path)
+    command, env, cwd = _as_the_pod_runs(rendered["generic"], tmp_path, {"FT_MAX_STEPS": "20"})  # the pod's contract, not the demo's learning
     assert command[0].startswith(os.path.dirname(sys.executable))
     result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -255,3 +255,80 @@ def test_a_bad_value_in_the_configmap_exits_2_and_the_job_fails_without_retrying
     assert result.returncode == 2, result.stderr[-3000:]
     assert "FT_MAX_STEPS" in (tmp_path / "termination-log").read_text()
     assert _policy_action(_job(rendered["generic"]), result.returncode) == "FailJob"
+
+
+# -- The user's image, set the documented ways ------------------------------------------------------
+
+USER_IMAGE = "registry.example.org/team/fulltune:2.3.4"
+
+
+def _documented_kubectl_edit() -> str:
+    """The shell lines docs/deployment.md gives for setting the image with kubectl alone: the heredoc that adds an
+    `images:` entry to the overlay's kustomization.yaml (docs/scaling-out.md gives the same lines)."""
+    blocks = []
+    for page in ("deployment.md", "scaling-out.md"):
+        text = (REPO / "docs" / page).read_text()
+        start = text.index('cat >> "k8s/overlays/$OVERLAY/kustomization.yaml" <<EOF')
+        blocks.append(text[start : text.index("\nEOF\n", start) + len("\nEOF\n")])
+    assert blocks[0] == blocks[1]
+    return blocks[0]
+
+
+def _kustomize_edit_set_image(folder, argument: str) -> None:
+    """`kustomize edit set image ARGUMENT` run in `folder`: the standalone binary where it is installed, else the entry
+    it writes (kustomize v5's `edit set image`: `NAME=NEWNAME:TAG` sets newName and newTag, `NAME=NEWNAME@DIGEST`
+    newName and digest, replacing an entry of that name)."""
+    if binary := shutil.which("kustomize"):
+        subprocess.run([binary, "edit", "set", "image", argument], cwd=folder, check=True, timeout=60)
+        return
+    name, _, new = argument.partition("=")
+    if "@" in new:
+        new_name, _, digest = new.partition("@")
+        entry = {"name": name, "newName": new_name, "digest": digest}
+    else:
+        new_name, _, tag = new.rpartition(":") if ":" in new.rsplit("/", 1)[-1] else (new, "", "")
+        entry = {"name": name, "newName": new_name, **({"newTag": tag} if tag else {})}
+    path = folder / "kustomization.yaml"
+    kustomization = yaml.safe_load(path.read_text())
+    kustomization["images"] = [i for i in kustomization.get("images", []) if i["name"] != name] + [entry]
+    path.write_text(yaml.safe_dump(kustomization, sort_keys=False))
+
+
+def _images(objects) -> dict[str, set[str]]:
+    """Every container image the rendered objects name (a TrainJob's `trainer.image` too), by kind."""
+    found: dict[str, set[str]] = {}
+
+    def walk(kind, node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "image" and isinstance(value, str):
+                    found.setdefault(kind, set()).add(value)
+                walk(kind, value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(kind, item)
+
+    for obj in objects:
+        walk(obj["kind"], obj)
+    return found
+
+
+WITH_IMAGES = {overlay: {"Job"} for overlay in OVERLAYS + SCALE_OVERLAYS} | {"trainjob": {"TrainJob", "TrainingRuntime"}}
+
+
+@pytest.mark.parametrize("way", ["kubectl", "kustomize edit", "kustomize edit, by digest"])
+@pytest.mark.parametrize("overlay", OVERLAYS + SCALE_OVERLAYS)
+def test_the_image_set_in_any_overlay_the_documented_ways_is_the_image_of_every_resource(overlay, way, tmp_path):
+    shutil.copytree(REPO / "k8s", tmp_path / "k8s")
+    folder = tmp_path / "k8s" / "overlays" / overlay
+    image = USER_IMAGE
+    if way == "kubectl":
+        subprocess.run(["bash", "-euc", _documented_kubectl_edit()], cwd=tmp_path, env={"IMAGE": image, "OVERLAY": overlay, "PATH": os.environ["PATH"]},
+                       check=True, timeout=60)
+    else:
+        if way.endswith("digest"):
+            image = "registry.example.org/team/fulltune@sha256:" + "0123456789abcdef" * 4
+        _kustomize_edit_set_image(folder, f"fulltune={image}")
+    images = _images(render(folder))
+    assert images.keys() == WITH_IMAGES[overlay], images
+    assert all(names == {image} for names in images.values()), images

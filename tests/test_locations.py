@@ -66,13 +66,25 @@ def test_a_local_model_folder_that_does_not_exist_exits_2_with_one_line(demo_ass
     assert "no such local folder" in termination_message(env)
 
 
+@pytest.mark.faults("a local FT_MODEL and FT_DATASET that do not exist, seen before the training process starts")
+def test_a_missing_local_model_and_dataset_exit_2_before_the_training_process_starts_or_the_volume_is_made(tmp_path):
+    env = job_env(tmp_path / "volume", FT_MODEL="./models/mine", FT_DATASET="./data/train.jsonl", FT_LOG_LEVEL="debug")
+    result = entrypoint(env, tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"FT_MODEL='{tmp_path}/models/mine': no such local folder" in result.stderr
+    assert f"FT_DATASET='{tmp_path}/data/train.jsonl': no such local file or folder" in result.stderr
+    assert "start-up:" not in result.stdout, "the training process (torch, transformers) never started"
+    assert not (tmp_path / "volume").exists()
+
+
 def test_a_missing_subfolder_of_a_local_data_folder_exits_2_naming_what_is_there(demo_assets, tmp_path):
     (tmp_path / "mydata").mkdir()
     (tmp_path / "mydata" / "train.jsonl").write_text((demo_assets / "data" / "train.jsonl").read_text())
     env = job_env(tmp_path / "volume", FT_MODEL=str(demo_assets / "model"), FT_DATASET="mydata/train")
     result = entrypoint(env, tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert f"exit 2: FT_DATASET='mydata/train': no such local file or folder ({tmp_path}/mydata/train; {tmp_path}/mydata holds train.jsonl)" in result.stderr
+    shown = f"FT_DATASET='{tmp_path}/mydata/train'"  # its real path, as everything else sees it
+    assert f"exit 2: {shown}: no such local file or folder ({tmp_path}/mydata/train; {tmp_path}/mydata holds train.jsonl)" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -49,6 +49,16 @@ def test_each_logging_step_prints_one_progress_line_and_no_raw_dict(demo_log):
 
 
 @pytest.mark.slow  # the demo job, 10 steps, in a subprocess
+def test_the_log_states_the_batch_layout_once_in_one_wording(demo_log):
+    _, log = demo_log
+    memory_plan = re.search(r"^fulltune: memory plan: (\d+) sequences x (\d+) passes per step", log, re.M)
+    each_step = re.search(r"^  each step: (\d+) sequences x (\d+) passes \(FT_BATCH_SIZE=16 x FT_GRADIENT_ACCUMULATION_STEPS=4, regrouped", log, re.M)
+    assert memory_plan and each_step and memory_plan.groups() == each_step.groups(), log
+    assert "accumulation)" not in log, "the other wording of the same layout (4 x 2 accumulation)"
+    assert re.search(r"^  10 steps \(FT_MAX_STEPS\), [0-9.]+ epoch\(s\) of \d+ steps x effective batch 64 = 640 sequences", log, re.M), log
+
+
+@pytest.mark.slow  # the demo job, 10 steps, in a subprocess
 def test_the_log_carries_no_spurious_warning(demo_log):
     _, log = demo_log
     for noise in (

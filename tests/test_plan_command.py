@@ -70,3 +70,14 @@ def test_an_unknown_card_or_setting_exits_2_naming_it():
     assert card.returncode == 2 and "--card 'h100'" in card.stderr and "h100-80gb" in card.stderr
     setting = plan(FT_MODEL=str(QWEN3_8B), FT_MAX_LENGTH="many")
     assert setting.returncode == 2 and "FT_MAX_LENGTH" in setting.stderr
+
+
+def test_a_hub_id_while_the_hub_does_not_answer_exits_2_at_once_saying_to_give_a_local_config():
+    from tests.conftest import free_port
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "HF_HUB_OFFLINE"))}
+    environ |= {"FT_PLATFORM": "none", "FT_MODEL": "Qwen/Qwen3-4B", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}  # nothing listens there
+    result = subprocess.run([sys.executable, "entrypoint.py", "plan"], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "does not answer" in result.stderr and "local folder" in result.stderr and "bench/configs" in result.stderr
+    assert "Retrying" not in result.stderr and "Traceback" not in result.stderr  # huggingface_hub's five retries took 24 s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,6 +134,51 @@ def test_resume_across_epoch_boundaries_is_exact(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     name = "checkpoints/checkpoint-30/model.safetensors"
     assert max_weight_difference(reference / name, out / name) <= 1e-5
+
+
+@pytest.mark.faults("SIGTERM just past the first epoch of FT_NUM_EPOCHS")
+def test_two_epochs_train_two_epochs_of_steps_and_a_stop_past_the_first_resumes_to_the_uninterrupted_weights(tmp_path):
+    settings = {"FT_PRESET": "demo", "FT_NUM_EPOCHS": "2", "FT_REGISTERED_MODEL": ""}  # as a user writes it; nothing is registered
+    reference = run_job(job_env(tmp_path / "reference", **settings))
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    rows = int(re.search(r"kept (\d+) train / \d+ validation rows", reference.stdout)[1])
+    per_step = 16 * 4  # the preset's FT_BATCH_SIZE x FT_GRADIENT_ACCUMULATION_STEPS
+    per_epoch = -(-rows // per_step)  # the last step of an epoch is short
+    summary = reference.stdout.strip().splitlines()[-1]
+    assert f" steps={2 * per_epoch}/{2 * per_epoch} " in summary, summary
+    assert f"2 epoch(s) of {per_epoch} steps = {2 * per_epoch} steps (FT_NUM_EPOCHS=2)" in reference.stdout
+    assert f"warm-up {-(-2 * per_epoch // 10)} steps (FT_WARMUP_RATIO=0.1)" in reference.stdout  # the preset's ratio of these steps
+    assert re.search(rf"step={2 * per_epoch}/{2 * per_epoch} loss=.* epoch=2\.0$", reference.stdout, re.M), "the progress line's epoch"
+
+    out = tmp_path / "volume"
+    env = job_env(out, **settings)
+    stopped = run_job(with_faults(env, sigterm_at_step=per_epoch + 1))  # one step into the second epoch
+    assert stopped.returncode == 75, stopped.stdout + stopped.stderr
+    stop_step = max(committed_steps(out))
+    state = json.loads((out / "checkpoints" / f"checkpoint-{stop_step}" / "trainer_state.json").read_text())
+    assert 1 < state["epoch"] < 2
+    resumed = run_job(env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming from {out}/checkpoints/checkpoint-{stop_step}" in resumed.stdout
+    assert f" steps={2 * per_epoch}/{2 * per_epoch} " in resumed.stdout.strip().splitlines()[-1]
+    name = "final/model/model.safetensors"
+    assert max_weight_difference(tmp_path / "reference" / name, out / name) == 0.0, "exact on CPU: the same updates in the same order"
+
+
+@pytest.mark.faults("a restart naming the volume another way")
+def test_a_job_stopped_under_a_relative_output_dir_resumes_when_restarted_with_its_absolute_path(tmp_path):
+    """`./out/` from the job's folder and its absolute path are one volume: the same fingerprint, the same demo files."""
+    settings = STEPS | {"FT_MAX_STEPS": "20", "FT_REGISTERED_MODEL": ""}
+    env = job_env("./out/", **settings) | {"FT_TERMINATION_MESSAGE_PATH": str(tmp_path / "termination-log")}
+    with open(tmp_path / "1.log", "w") as log:
+        stopped = subprocess.run([sys.executable, str(ROOT / "entrypoint.py")], env=with_faults(env, sigterm_at_step=13), cwd=tmp_path,
+                                 stdout=log, stderr=subprocess.STDOUT, timeout=300)
+    assert stopped.returncode == 75, (tmp_path / "1.log").read_text()
+    stop_step = max(committed_steps(tmp_path / "out"))
+    result = run_job(env | {"FT_OUTPUT_DIR": str(tmp_path / "out")})  # from the repository's folder, the volume by its absolute path
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"resuming from {tmp_path}/out/checkpoints/checkpoint-{stop_step}" in result.stdout
+    assert committed_steps(tmp_path / "out")[-1] == 20
 
 
 @pytest.mark.faults("a restart with a setting that changes the result")

@@ -122,11 +122,11 @@ def test_the_report_is_on_the_volume_and_in_the_mlflow_run_with_what_a_user_look
     assert "finished: the final model is saved, registered as demo.default.tiny_qwen3_assistant/1" in page
     assert html.escape(str(out / "final" / "model")) in page and run.info.run_id in page
     samples = [json.loads(line) for line in (out / "eval-samples.jsonl").read_text().splitlines()]
-    shown = lambda answer: answer or "(empty: only special tokens or none)"  # noqa: E731
+    shown = lambda s: ("✓ " if s["answer"] == s["reference"] else "") + s["answer"] if s["answer"] else "(empty: only special tokens or none)"  # noqa: E731
     before, after = ([s for s in samples if s["step"] == step] for step in (0, 6))
     expected = [["Prompt", "Reference", "Step 0 (base model)", "Step 6"]]
-    expected += [[conversation(b["prompt"]), b["reference"], shown(b["answer"]), shown(a["answer"])] for b, a in zip(before, after, strict=True)]
-    assert table_after(page, "Sample answers") == expected and len(expected) == 5
+    expected += [[conversation(b["prompt"]), b["reference"], shown(b), shown(a)] for b, a in zip(before, after, strict=True)]
+    assert table_after(page, "Sample answers") == expected and len(expected) == 1 + 8  # the demo preset answers 8 prompts
     assert "im_start" not in page.split("<h2>Sample answers</h2>", 1)[1].split("<h2>", 1)[0], "prompts shown as turns, not as template markup"
     peak = max(m.value for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, "mem_gb"))
     assert f"<th>measured peak</th><th class=n>{peak:.3g} GB</th>" in page and "<th>planned peak</th>" in page
@@ -161,7 +161,8 @@ def test_secrets_are_masked_each_attempt_is_a_row_and_prompts_are_turns():
                          "reference": "b a", "answer": "b a"}],
             "plan": {"peak": 2e9, "breakdown": {"weights": 2e9}, "described": "plan", "cuda": True},
             "where": {"checkpoints": "/v/checkpoints", "committed": ["checkpoint-4"]},
-            "hyperparameters": {"FT_MAX_STEPS": "10", "FT_API_TOKEN": "tok-do-not-leak", "FT_DATASET": "https://bob:pw-do-not-leak@host/d.jsonl"},
+            "hyperparameters": {"FT_MAX_STEPS": "10", "FT_API_TOKEN": "tok-do-not-leak", "FT_DATASET": "https://bob:pw-do-not-leak@host/d.jsonl",
+                                "FT_EVAL_SAMPLE_TOKENS": "16"},
             "attempts": [
                 {"started": 1000.0, "from_step": 0, "ended": 1060.0, "outcome": "stopped by a signal at step 4 (exit 75)"},
                 {"started": 1100.0, "from_step": 4, "ended": 1130.0, "outcome": "finished at step 10"},
@@ -171,6 +172,7 @@ def test_secrets_are_masked_each_attempt_is_a_row_and_prompts_are_turns():
     assert "do-not-leak" not in page
     assert table_after(page, "Sample answers")[1][0] == "userReverse: a b" and "im_start" not in page, "the prompt as its turns"
     assert dict(table_after(page, "Hyperparameters"))["FT_API_TOKEN"] == "****"
+    assert dict(table_after(page, "Hyperparameters"))["FT_EVAL_SAMPLE_TOKENS"] == "16", "a count of tokens is no secret"
     assert [row[2:] for row in table_after(page, "Attempts")[1:]] == [
         ["from step 0", "stopped by a signal at step 4 (exit 75)", "60 s"],
         ["resumed from step 4", "finished at step 10", "30 s"],

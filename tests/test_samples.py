@@ -15,7 +15,7 @@ from trainer.tracking import samples
 @pytest.fixture(scope="module")
 def sampled_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("samples") / "volume"
-    result = run_job(job_env(out, FT_PRESET="demo", FT_REGISTERED_MODEL=""))  # 40 steps, evaluations at 20 and 40
+    result = run_job(job_env(out, FT_PRESET="demo", FT_MAX_STEPS="40", FT_REGISTERED_MODEL=""))  # evaluations at 20 and 40 (the preset's cadence)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [json.loads(line) for line in (out / "eval-samples.jsonl").read_text().splitlines()]
     return out, result.stdout, lines
@@ -36,14 +36,16 @@ def transformers_greedy(model_dir, tokenizer, prompt: str, max_new_tokens: int) 
 @pytest.mark.slow  # the demo job, 40 steps, in a subprocess
 def test_the_same_validation_prompts_are_answered_at_step_0_and_at_each_evaluation(sampled_job):
     out, log, lines = sampled_job
-    assert [line["step"] for line in lines] == [0] * 4 + [20] * 4 + [40] * 4
+    assert [line["step"] for line in lines] == [0] * 8 + [20] * 8 + [40] * 8  # the preset's FT_EVAL_SAMPLES=8
     by_step = {step: [(line["row"], line["prompt"], line["reference"]) for line in lines if line["step"] == step] for step in (0, 20, 40)}
     assert by_step[0] == by_step[20] == by_step[40], "the same prompts every time"
     for _, prompt, reference in by_step[0]:  # a validation row of the demo, cut where the assistant's turn starts
         words = prompt.split("Reverse: ")[1].split("<|im_end|>")[0].split()
         assert prompt.endswith("<|im_start|>assistant\n") and reference == " ".join(reversed(words))
     assert all(0 < line["tokens"] <= 16 for line in lines)  # FT_EVAL_SAMPLE_TOKENS, 16 in the demo preset
-    assert [line for line in log.splitlines() if line.startswith("fulltune: sample answers at step")][0].startswith("fulltune: sample answers at step 0: 4 in ")
+    said = [line for line in log.splitlines() if line.startswith("fulltune: sample answers at step")]
+    assert said[0].startswith("fulltune: sample answers at step 0: 0 of 8 exactly right")
+    assert all(line["exact"] == (line["answer"] == line["reference"]) for line in lines)
 
 
 @pytest.mark.slow  # the demo job, 40 steps, in a subprocess

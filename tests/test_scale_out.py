@@ -35,9 +35,9 @@ from conftest import (
 
 pytestmark = pytest.mark.slow  # each test trains the demo in two processes
 
-# The demo preset's 8 sequences per optimizer step: 4 x 2 in one process, 4 x 1 in each of two.
-ONE = dict(FT_PRESET="demo", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="2")
-TWO = dict(FT_PRESET="demo", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1")
+# 40 demo steps of 8 sequences: 4 x 2 in one process, 4 x 1 in each of two.
+ONE = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="2")
+TWO = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1")
 SHORT = dict(FT_MAX_STEPS="30", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10")
 # Relative, final eval loss of 2 processes against 1 with the same global batch: the per-step training
 # losses are the same sequences (DistributedSampler splits each step's batch), but each process evaluates
@@ -101,7 +101,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(one_process, tm
     # Gradients as views into DDP's buckets: no second copy of every gradient, which the memory plan does not count.
     records = [json.loads(line) for line in wrapped.read_text().splitlines()]
     assert sorted(r["rank"] for r in records) == ["0", "1"] and all(r["gradient_as_bucket_view"] for r in records), records
-    assert "4 x 1 accumulation x 2 processes (ddp)" in result.stdout and "effective batch 8" in result.stdout
+    assert "effective batch 8 (4 per process x 2 processes, ddp)" in result.stdout and "each step, in each process: 4 sequences x 1 passes" in result.stdout
     assert result.stdout.count("fulltune: step=40/40 loss=") == 1  # one progress log: rank 0's
     one, two = eval_losses(one_process), eval_losses(out)
     assert two.keys() == one.keys() == {20, 40}

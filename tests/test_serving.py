@@ -147,6 +147,15 @@ def serving_env(out: Path, **extra: str) -> dict[str, str]:
             | {"MLFLOW_TRACKING_URI": f"sqlite:///{out}/mlflow/mlflow.db", "HF_HUB_OFFLINE": "1"} | extra)
 
 
+@pytest.mark.faults("a models:/ URI without MLFLOW_TRACKING_URI")
+def test_a_registered_model_without_a_tracking_uri_exits_2_saying_which_store_to_name_and_writes_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {"PYTHONPATH": str(ROOT)}
+    result = subprocess.run(serve_command(f"models:/{DEMO_NAME}/1"), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "MLFLOW_TRACKING_URI is not set" in result.stderr and "MLFLOW_TRACKING_URI=sqlite:///$PWD/out/mlflow/mlflow.db" in result.stderr
+    assert list(tmp_path.iterdir()) == [], "no empty mlflow.db (or mlruns/) where it was started"
+
+
 @pytest.fixture(scope="module")
 def openai_served(demo_job_run, tmp_path_factory):
     """`python -m trainer.serving.openai_server models:/<demo model>/1` on a free loopback port: (an `openai.OpenAI`

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import ROOT, job_env, run_job, termination_message
-from trainer.core import config, errors, settings, settings_doc
+from trainer.core import config, errors, refusals, schedule, settings, settings_doc
 from trainer.core.errors import ConfigError
 
 # The public names. Removing or renaming one breaks users' manifests: change this set on purpose only.
@@ -27,6 +27,7 @@ PUBLIC_NAMES = {
     "FT_COLLECTIVE_TIMEOUT_SECONDS", "FT_RENDEZVOUS_TIMEOUT_SECONDS", "FT_EARLY_STOPPING_PATIENCE", "FT_EVAL_SAMPLES",
     "FT_EVAL_SAMPLE_TOKENS", "FT_LOG_LEVEL", "FT_METRICS_PORT", "FT_STUCK_AFTER_SECONDS", "FT_STUCK_EXIT",
     "FT_MIRROR_URL", "FT_MIRROR_WAIT_SECONDS", "FT_PUSH_TO_HUB", "FT_HUB_PRIVATE",
+    "FT_NUM_EPOCHS", "FT_WARMUP_RATIO", "FT_CHAT_TEMPLATE",
 }
 
 
@@ -65,6 +66,32 @@ def test_an_unknown_ft_variable_is_rejected_and_a_secret_looking_value_is_masked
     assert "FT_API_TOKEN=****" in str(caught.value) and "hunter2" not in str(caught.value)
 
 
+SECRETS = ("HF_TOKEN", "FT_API_TOKEN", "MLFLOW_TRACKING_TOKEN", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY",
+           "AZURE_CLIENT_SECRET", "OPENAI_API_KEY", "FT_APIKEY", "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_CONNECTION_STRING", "FT_TOKEN_SECRET")
+NOT_SECRETS = ("FT_EVAL_SAMPLE_TOKENS", "FT_MAX_TOKENS", "FT_TOKENIZER", "FT_MAX_LENGTH", "FT_MODEL")
+
+
+def test_secret_named_variables_are_masked_and_settings_that_count_tokens_are_not():
+    assert [name for name in SECRETS if refusals.shown(name, "v") != "****"] == []
+    assert [name for name in NOT_SECRETS if refusals.shown(name, "16") != "'16'"] == []
+    with pytest.raises(ConfigError) as caught:
+        settings.load({"FT_PLATFORM": "none", "FT_EVAL_SAMPLE_TOKENS": "0"})
+    assert "FT_EVAL_SAMPLE_TOKENS='0': out of range" in str(caught.value)  # the refused value is shown: it is a count, not a token
+
+
+@pytest.mark.faults("an invalid value and a rule across two settings broken, together")
+def test_a_rule_across_two_settings_is_reported_with_the_invalid_values_in_one_error():
+    with pytest.raises(ConfigError) as caught:
+        settings.load({"FT_PLATFORM": "none", "FT_MAX_STEPS": "many", "FT_SAVE_STEPS": "30", "FT_EVAL_FRACTION": "1.5"})
+    message = str(caught.value)
+    assert message.startswith("3 invalid setting(s)")
+    assert "FT_MAX_STEPS='many'" in message and "FT_SAVE_STEPS='30': must be a multiple of FT_EVAL_STEPS=25" in message
+    assert "FT_EVAL_FRACTION='1.5': must be >= 0 and < 1" in message
+    with pytest.raises(ConfigError) as caught:  # a rule whose other setting is itself invalid waits for it: no second-hand complaint
+        settings.load({"FT_PLATFORM": "none", "FT_EVAL_STEPS": "often", "FT_SAVE_STEPS": "30"})
+    assert str(caught.value).startswith("1 invalid setting(s)") and "FT_EVAL_STEPS='often'" in str(caught.value)
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize(
     ("env", "message"),
@@ -99,6 +126,42 @@ def test_explicit_variables_override_the_demo_preset():
     config = settings.load({"FT_PRESET": "demo", "FT_OUTPUT_DIR": "/v", "FT_MAX_STEPS": "7", "FT_PLATFORM": "none"})
     assert config.max_steps == 7
     assert config.model == "/v/demo/model" and config.learning_rate == 1e-3
+
+
+@pytest.mark.parametrize(
+    ("env", "epochs", "steps", "ratio", "warmup"),
+    [
+        ({}, 0.0, 50, 0.0, 10),  # the reference recipe: FT_MAX_STEPS, FT_WARMUP_STEPS
+        ({"FT_NUM_EPOCHS": "3", "FT_WARMUP_RATIO": "0.1"}, 3.0, 50, 0.1, 10),  # explicit beats the defaults
+        ({"FT_NUM_EPOCHS": "3", "FT_MAX_STEPS": "30", "FT_WARMUP_RATIO": "0.1", "FT_WARMUP_STEPS": "2"}, 0.0, 30, 0.0, 2),  # both explicit: steps
+        ({"FT_PRESET": "demo", "FT_NUM_EPOCHS": "2"}, 2.0, None, 0.1, None),  # explicit epochs beat the preset's steps; its ratio stays
+        ({"FT_PRESET": "demo", "FT_MAX_STEPS": "7", "FT_WARMUP_STEPS": "1"}, 0.0, 7, 0.0, 1),  # explicit steps beat the preset's ratio
+    ],
+)
+def test_epochs_and_a_warmup_ratio_win_over_step_counts_set_less_explicitly_and_give_way_to_ones_set_as_explicitly(env, epochs, steps, ratio, warmup):
+    loaded = settings.load(env | {"FT_PLATFORM": "none", "FT_OUTPUT_DIR": "/v"})
+    assert loaded.num_epochs == epochs and loaded.warmup_ratio == ratio
+    assert steps is None or loaded.max_steps == steps
+    assert warmup is None or loaded.warmup_steps == warmup
+
+
+def test_the_schedule_counts_an_epoch_as_the_trainer_does_and_the_warmup_ratio_of_its_steps():
+    by_epochs = settings.load({"FT_PLATFORM": "none", "FT_NUM_EPOCHS": "2", "FT_BATCH_SIZE": "16", "FT_GRADIENT_ACCUMULATION_STEPS": "4",
+                               "FT_WARMUP_RATIO": "0.1"})
+    steps = schedule.of(by_epochs, train_rows=1800)  # 28 full steps of 64 sequences, then one of 8
+    assert (steps.steps_per_epoch, steps.steps, steps.warmup_steps, steps.epochs) == (29, 58, 6, 2.0)
+    assert schedule.of(by_epochs, train_rows=1800, processes=2).steps == 2 * 15  # 128 sequences a step across two processes
+    assert schedule.of(by_epochs, train_rows=10).steps == 2  # fewer rows than a step: one step an epoch
+    half = settings.load({"FT_PLATFORM": "none", "FT_NUM_EPOCHS": "0.5", "FT_BATCH_SIZE": "64", "FT_GRADIENT_ACCUMULATION_STEPS": "1"})
+    assert schedule.of(half, train_rows=1800).steps == 15  # ceil(14.5), as transformers rounds
+    by_steps = schedule.of(settings.load({"FT_PLATFORM": "none", "FT_MAX_STEPS": "40"}), train_rows=1800)
+    assert (by_steps.steps, by_steps.warmup_steps, by_steps.by_epochs) == (40, 10, False)
+
+
+@pytest.mark.faults
+def test_a_warmup_ratio_of_one_or_more_exits_2():
+    with pytest.raises(ConfigError, match=r"FT_WARMUP_RATIO='1': must be >= 0 and < 1"):
+        settings.load({"FT_PLATFORM": "none", "FT_WARMUP_RATIO": "1"})
 
 
 def test_params_for_mlflow_are_the_effective_ft_values():

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import ROOT, job_env, run_job
 from trainer.core import permissions
+from trainer.core.errors import ConfigError
 
 NOBODY = 65534
 
@@ -79,8 +80,33 @@ def test_entrypoint_exits_2_within_seconds_when_the_output_folder_cannot_be_crea
     result = run_job(env, timeout=60)
     assert result.returncode == 2, result.stderr
     assert time.monotonic() - started < 10
-    assert f"FT_OUTPUT_DIR={tmp_path}/not-a-folder/output is not writable" in result.stderr
+    assert f"FT_OUTPUT_DIR={tmp_path}/not-a-folder/output cannot be a folder: {tmp_path}/not-a-folder is a file" in result.stderr
+    assert "write access" not in result.stderr and "chown" not in result.stderr, "no permission can help: the advice is about the file"
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.faults("FT_OUTPUT_DIR naming a file")
+def test_an_output_dir_that_is_a_file_is_refused_saying_so():
+    with tempfile.NamedTemporaryFile() as file, pytest.raises(ConfigError) as refused:
+        permissions.check_writable(file.name)
+    assert str(refused.value) == (f"FT_OUTPUT_DIR={file.name} cannot be a folder: {file.name} is a file. Point FT_OUTPUT_DIR at a folder "
+                                  "(the mounted volume; a missing one is created) or move the file away")
+
+
+@pytest.mark.faults("a volume even root cannot write")
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="needs root and util-linux's setpriv to take root's file-permission override away")
+def test_a_volume_root_cannot_write_is_refused_without_advising_to_give_uid_0_access(shared_tmp):
+    output = shared_tmp / "output"
+    output.mkdir(mode=0o755)
+    os.chown(output, NOBODY, NOBODY)  # owned by another uid, as on an NFS export that squashes root
+    probe = f"from trainer.core import permissions\npermissions.check_writable({str(output)!r})"
+    # uid 0 without CAP_DAC_OVERRIDE: what a root-squashed NFS mount or `--cap-drop ALL` leaves of root
+    result = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--", sys.executable, "-c", probe],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "ConfigError" in result.stderr, result.stderr
+    assert f"FT_OUTPUT_DIR={output} is not writable although this process runs as root (uid 0)" in result.stderr
+    assert f"owned by uid {NOBODY}" in result.stderr and "root squash" in result.stderr and f"--user {NOBODY}:{NOBODY}" in result.stderr
+    assert "Give uid 0" not in result.stderr
 
 
 def _modes(folder: Path) -> set[tuple[str, str]]:

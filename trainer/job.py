@@ -14,7 +14,7 @@ from typing import Any
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption, restore, uploads
 from trainer.core import config as job_config
-from trainer.core import devices, locations, ranks
+from trainer.core import devices, locations, ranks, schedule
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
@@ -28,7 +28,7 @@ from trainer.launch import launcher
 from trainer.model import attention, fetch, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
 from trainer.telemetry.feed import Telemetry
-from trainer.tracking import copies, hub_push, overview, packaging, progress, quiet, report, samples, summary
+from trainer.tracking import copies, hub_push, overview, packaging, progress, quiet, report, samples, scoring, summary
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker
@@ -75,12 +75,14 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint()) if mirror else None
     if mirroring:
         mirroring.committed()  # the fingerprint, and what an earlier attempt committed but did not upload
-    overview.print_plan(config, prepared, plan)
+    steps = schedule.of(settings, len(prepared.train), config.world_size)  # FT_MAX_STEPS or FT_NUM_EPOCHS, now that the rows are known
+    tracker.planned_steps = steps.steps
+    overview.print_plan(config, prepared, plan, steps)
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
     with tracker:
         tracker.log(**data_report.tracked(prepared.report))
-        run_report = report.RunReport(_report_facts(config, plan, prepared), tracker, committed=lambda: _committed(volume))
+        run_report = report.RunReport(_report_facts(config, plan, prepared, steps), tracker, committed=lambda: _committed(volume))
         try:
             trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, telemetry, mirroring)
         except Preempted:
@@ -100,17 +102,19 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
                 _register(config, volume, metadata, tracker)
             finally:
                 run_report.finished()  # also after a failed registration (exit 3): it says where the model is
+                if line := scoring.said_at_the_end(volume.eval_samples, volume.report):
+                    print(line, flush=True)
     copies.deliver(config, volume, mirroring)  # FT_MIRROR_URL holds it all (exit 8 past FT_MIRROR_WAIT_SECONDS), then FT_PUSH_TO_HUB
 
 
-def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared) -> report.ReportFacts:
+def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared, steps: schedule.Schedule) -> report.ReportFacts:
     settings = config.settings
     return report.ReportFacts(
         title=config.run_name,
         model=settings.model,
         data=settings.dataset,
         precision=config.precision.name,
-        max_steps=settings.max_steps,
+        max_steps=steps.steps,
         output_dir=settings.output_dir,
         plan={"peak": plan.peak, "breakdown": plan.breakdown, "described": plan.describe(), "cuda": config.cuda},
         data_report=data_report.report_text(prepared.report),
@@ -148,7 +152,8 @@ def build_trainer(
         tracker.log(tags={"attention": attention.path_taken(net)})  # which attention trained (the loop, torch's varlen kernel, sdpa)
     quiet.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
     eval_rows = recipe.eval_rows(settings, prepared.eval)
-    args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None)
+    steps = schedule.of(settings, len(prepared.train), config.world_size)
+    args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None, steps=steps)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
     refuse = divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete)  # a NaN save never counts
     saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda, after_commit=after_commit)
@@ -167,7 +172,7 @@ def build_trainer(
             *samples.callbacks(config, tokenizer, prepared, plan, tracker),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             MetricsCallback(tracker),
-            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs, telemetry),
+            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs, telemetry, by_epochs=steps.by_epochs),
             # last: the diverged loss is logged and printed first
             divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit, settle=saver.wait_for_saves),
         ],
@@ -308,7 +313,7 @@ def main() -> int:
         stepped_down = isinstance(error, StepDownRestart) and ranks.world_size() > 1
     if ranks.is_main() and config is not None:
         settings = config.settings
-        print(summary.line(code, time.perf_counter() - STARTED, tracker, settings.output_dir, settings.max_steps), flush=True)
+        print(summary.line(code, time.perf_counter() - STARTED, tracker, settings.output_dir, tracker.planned_steps if tracker else None), flush=True)
     telemetry.close(code)  # 100 % only here, for exit 0: trained, saved and registered
     if code == 0:
         ranks.leave()  # every collective has completed: the process group is destroyed, not left to the interpreter's exit

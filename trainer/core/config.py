@@ -119,6 +119,8 @@ class Config:
         values = settings_table.changing(self.settings, ("data", "training"))
         for resolved_here in ("precision", "num_processes", "num_nodes"):
             del values[resolved_here]
+        if values["chat_template"]:  # the file's content renders the rows: an edited file is another configuration
+            values["chat_template"] += f" (sha256 {_sha256(values['chat_template'])})"
         # world_size: the global batch grows with the processes
         return {f"FT_{name.upper()}": str(value) for name, value in values.items()} | {"precision": self.precision.name, "world_size": str(self.world_size)}
 
@@ -130,6 +132,16 @@ class Config:
     def from_json(cls, text: str) -> Config:
         data = json.loads(text)
         return cls(Settings(**data["settings"]), data["cuda"], PRECISIONS[data["precision"]], data["processes_per_node"])
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        return "unreadable"
 
 
 def strategies(distributed: str, processes: int) -> list[str]:

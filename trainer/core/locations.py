@@ -22,6 +22,7 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+from trainer.core import precedence
 from trainer.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -50,6 +51,20 @@ def is_hub_id(spec: str, *, data: bool = False) -> bool:
     return not ("/" in spec and os.path.isdir(owner))
 
 
+def normalised(spec: str, *, data: bool = False) -> str:
+    """One spelling per local path, so that `./out`, `out/` and `/work/out` are the same folder to everything that compares
+    or stores it (the resume fingerprint, the data cache key, the params): the real path (absolute, `~` expanded, `.`, `..`
+    and symlinks resolved).  A hub id, a URL or an empty value is returned as given."""
+    if is_url(spec) or is_hub_id(spec, data=data):
+        return spec
+    return real_path(spec)
+
+
+def real_path(path: str) -> str:
+    """`path` as its real path (FT_OUTPUT_DIR, always local); empty stays empty (refused by the settings' own rule)."""
+    return os.path.realpath(os.path.expanduser(path)) if path.strip() else path
+
+
 def missing(variable: str, spec: str, *, data: bool = False) -> str | None:
     """Why a local `spec` cannot be used (it does not exist, or a model is a file), or None (it exists, is a hub id, a URL or a glob)."""
     if is_hub_id(spec, data=data) or is_url(spec) or (data and glob.has_magic(spec)):
@@ -63,10 +78,17 @@ def missing(variable: str, spec: str, *, data: bool = False) -> str | None:
             f"({path}{_nearest(path)}); fix the path or mount the volume that holds it")
 
 
-def check(settings: Settings) -> None:
-    """Exit 2 (ConfigError) naming every local FT_MODEL, FT_DATASET or FT_EVAL_DATASET that does not exist, before the hub is asked."""
+def check(settings: Settings, *, before_the_preset: bool = False) -> None:
+    """Exit 2 (ConfigError) naming every local FT_MODEL, FT_DATASET or FT_EVAL_DATASET that does not exist, before the hub is asked.
+
+    `before_the_preset`: entrypoint.py asks before any training process starts (a second, not the imports of torch),
+    when the preset's own files (FT_PRESET=demo builds them in the training process) may not exist yet."""
     specs = (("FT_MODEL", settings.model, False), ("FT_DATASET", settings.dataset, True), ("FT_EVAL_DATASET", settings.eval_dataset, True))
-    problems = [why for variable, spec, data in specs if spec and (why := missing(variable, spec, data=data))]
+    built = {normalised(path) for path in precedence.preset_defaults(settings.preset, settings.output_dir).values()} if before_the_preset else set()
+    problems = [why for variable, spec, data in specs if spec and spec not in built and (why := missing(variable, spec, data=data))]
+    if settings.chat_template and not os.path.isfile(settings.chat_template):
+        problems.append(f"FT_CHAT_TEMPLATE={settings.chat_template!r}: no such file{_nearest(settings.chat_template)}; "
+                        "it names a file holding a Jinja chat template")
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -12,32 +12,36 @@ from typing import Any
 from trainer.core.settings import BY_ENV_NAME, MAX_SEQUENCES_PER_STEP, SECRET_NAME
 
 
-def cross_checks(values: dict[str, Any]) -> dict[str, str]:
-    """Rules that involve two settings; each names the variable to change."""
+def cross_checks(values: dict[str, Any], invalid: set[str] | frozenset[str] = frozenset()) -> dict[str, str]:
+    """Rules that involve two settings; each names the variable to change.  A rule that reads a setting in `invalid`
+    (one that did not parse: its refusal is reported already) is left for the run after it is fixed."""
     problems = {}
-    if values["save_steps"] % values["eval_steps"]:
+
+    def parsed(*names: str) -> bool:
+        return not invalid.intersection(names)
+
+    if parsed("save_steps", "eval_steps") and values["save_steps"] % values["eval_steps"]:
         problems["FT_SAVE_STEPS"] = (f"must be a multiple of FT_EVAL_STEPS={values['eval_steps']} so "
                                      "every checkpoint has an eval loss for picking the best model")
-    if values["batch_size"] * values["gradient_accumulation_steps"] > MAX_SEQUENCES_PER_STEP:
+    if parsed("batch_size", "gradient_accumulation_steps") and values["batch_size"] * values["gradient_accumulation_steps"] > MAX_SEQUENCES_PER_STEP:
         problems["FT_BATCH_SIZE"] = (f"times FT_GRADIENT_ACCUMULATION_STEPS={values['gradient_accumulation_steps']} "
                                      f"must be at most {MAX_SEQUENCES_PER_STEP} sequences per optimizer step")
-    if not 0.0 <= values["eval_fraction"] < 1.0:
-        problems["FT_EVAL_FRACTION"] = "must be >= 0 and < 1"
-    if not values["output_dir"].strip():
-        problems["FT_OUTPUT_DIR"] = "must name a folder (the mounted volume)"
-    if not values["model"].strip():
-        problems["FT_MODEL"] = "must name a hub id or a local folder"
-    if not values["dataset"].strip():
-        problems["FT_DATASET"] = "must name a hub id, a folder or files"
-    if values["node_rank"] >= values["num_nodes"]:
+    for name in ("eval_fraction", "warmup_ratio"):
+        if parsed(name) and not 0.0 <= values[name] < 1.0:
+            problems[f"FT_{name.upper()}"] = "must be >= 0 and < 1"
+    for name, why in (("output_dir", "must name a folder (the mounted volume)"), ("model", "must name a hub id or a local folder"),
+                      ("dataset", "must name a hub id, a folder or files")):
+        if parsed(name) and not values[name].strip():
+            problems[f"FT_{name.upper()}"] = why
+    if parsed("node_rank", "num_nodes") and values["node_rank"] >= values["num_nodes"]:
         problems["FT_NODE_RANK"] = f"must be below FT_NUM_NODES={values['num_nodes']} (nodes are numbered from 0)"
-    if values["num_nodes"] > 1 and not values["master_addr"].strip():
+    if parsed("num_nodes", "master_addr") and values["num_nodes"] > 1 and not values["master_addr"].strip():
         problems["FT_MASTER_ADDR"] = "must name node 0 (its host name or address) when FT_NUM_NODES > 1"
     if values["metrics_port"] and values["metrics_port"] == values["master_port"]:
         problems["FT_METRICS_PORT"] = f"must differ from FT_MASTER_PORT={values['master_port']}, where node 0 holds the processes' rendezvous"
     problems.update(_object_store_urls(values))
     name = values["registered_model"]
-    if name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
+    if parsed("registered_model", "model") and name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
         problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"
     return problems
 

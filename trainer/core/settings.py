@@ -22,7 +22,9 @@ from typing import Any, Literal
 from trainer.core.errors import ConfigError
 from trainer.core.precedence import PREFIX
 
-SECRET_NAME = re.compile(r"TOKEN|PASSWORD|SECRET|CREDENTIAL|API_KEY|ACCESS_KEY|CONNECTION_STRING", re.I)
+# A variable whose value is masked wherever it is shown: TOKEN as a word of its name (HF_TOKEN, MLFLOW_TRACKING_TOKEN; not
+# FT_EVAL_SAMPLE_TOKENS, a count), and the other secret words anywhere in it.
+SECRET_NAME = re.compile(r"(?:^|_)TOKEN(?:_|$)|PASSWORD|PASSWD|SECRET|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CONNECTION_STRING", re.I)
 CHANGES = ("", "data", "training")  # what a setting changes: nothing of the result, the tokenized data, or the training
 INT_MAX = 2**31 - 1  # the largest integer setting unless its field says otherwise: every count stays a 32-bit integer downstream
 MAX_SEQUENCES_PER_STEP = 2**16  # FT_BATCH_SIZE x FT_GRADIENT_ACCUMULATION_STEPS: the memory plan tries every split of it
@@ -65,6 +67,9 @@ class Settings:
     eval_fraction: float = setting(0.1, "Share of the checked training rows held out for validation (seed `FT_SEED`) when there "
                                         "is no `FT_EVAL_DATASET` and no `test` split; 0 = no validation, and the final model is "
                                         "the last step's rather than the best by eval loss.", minimum=0.0, changes="data")
+    chat_template: str = setting("", "A file holding a Jinja chat template (`chat_template.jinja`, say) that renders every row and is saved with the model "
+                                     "in place of the tokenizer's own (the fingerprint records its content). Empty = the tokenizer's own, ChatML when it "
+                                     "has none.", changes="data")
     data_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text"] = setting("auto", "Row format: `messages` (role/content), "
         "`sharegpt` (`conversations` of from/value), `prompt_completion`, `alpaca` (`instruction`, optional `input`, `output`), "
         "or `text`; `auto` detects it from the columns ([row formats](data.md#row-formats-ft_data_format)).", changes="data")
@@ -82,10 +87,16 @@ class Settings:
     data_cache: bool = setting(True, "Keep the checked, tokenized data under `FT_OUTPUT_DIR/.fulltune/data-cache/`, keyed by "
                                      "data source, tokenizer and data settings, so a restart skips checking and tokenizing.")
     # -- Optimisation --------------------------------------------------------------------------------
-    max_steps: int = setting(50, "Optimizer steps to train.", minimum=1, changes="training", group="Optimisation")
+    max_steps: int = setting(50, "Optimizer steps to train, unless `FT_NUM_EPOCHS` is set.", minimum=1, changes="training", group="Optimisation")
+    num_epochs: float = setting(0.0, "Passes over the training rows (`3`, or a fraction); one epoch is ceil(rows / sequences per optimizer step) "
+                                     "steps, the last one short. 0 = train `FT_MAX_STEPS` steps. Set, it wins over a preset's or the default step "
+                                     "count; with `FT_MAX_STEPS` set as explicitly, `FT_MAX_STEPS` wins ([precedence](settings.md#precedence)).",
+                                minimum=0.0, changes="training")
     learning_rate: float = setting(2e-05, "Peak learning rate of AdamW.", minimum=0.0, changes="training")
     lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = setting("linear", "Learning-rate schedule after warm-up.", changes="training")
-    warmup_steps: int = setting(10, "Linear warm-up steps.", minimum=0, changes="training")
+    warmup_steps: int = setting(10, "Linear warm-up steps, unless `FT_WARMUP_RATIO` is set.", minimum=0, changes="training")
+    warmup_ratio: float = setting(0.0, "Linear warm-up as a share of the training steps, rounded up (`0.03`, say; below 1); 0 = `FT_WARMUP_STEPS`. "
+                                       "It wins over `FT_WARMUP_STEPS` as `FT_NUM_EPOCHS` wins over `FT_MAX_STEPS`.", minimum=0.0, changes="training")
     weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0, changes="training")
     max_grad_norm: float = setting(1.0, "Gradient clipping norm; 0 = no clipping.", minimum=0.0, changes="training")
     divergence_patience: int = setting(3, "Stop the job (exit 5) when the logged training loss is NaN, infinite or above "
@@ -280,7 +291,8 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
 
     environ = dict(os.environ if environ is None else environ)
     unknown = sorted(k for k in environ if k.upper().startswith(PREFIX) and k not in BY_ENV_NAME)  # `ft_max_steps` too: never ignored silently
-    platform, layered = precedence.layered(environ)
+    platform, levels = precedence.layers(environ)
+    layered = precedence.layered(levels)
     env = precedence.reader(layered)
     values = {}
     for s in TABLE:
@@ -292,6 +304,12 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
             parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]  # env.float refuses nan and inf
             values[s.name] = parse(key, s.default, validate=validate)
+    for name in precedence.losers(levels) & {"FT_NUM_EPOCHS", "FT_WARMUP_RATIO"}:  # FT_MAX_STEPS (FT_WARMUP_STEPS) set as explicitly: it wins
+        values[BY_ENV_NAME[name].name] = 0.0
+    values["output_dir"] = locations.real_path(values["output_dir"])  # one spelling of each local path before anything compares or stores it
+    for name, data in (("model", False), ("dataset", True), ("eval_dataset", True)):
+        values[name] = locations.normalised(values[name], data=data)
+    values["chat_template"] = locations.real_path(values["chat_template"])  # a file, always local
     if "FT_REGISTERED_MODEL" not in layered:  # the seed's name for the seed's model only: a 0.4M-parameter model is no qwen3_4b_assistant
         values["registered_model"] = locations.registered_name(values["model"])
     problems: dict[str, str] = {}
@@ -302,8 +320,9 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             problems[name] = "; ".join(str(m).rstrip(".") for m in messages) + f" (allowed: {BY_ENV_NAME[name].allowed})"
     for name in unknown:
         problems[name] = refusals.not_a_setting(name)
+    # With the per-variable ones, in the same error: each rule whose settings all parsed
+    problems.update(refusals.cross_checks(values, invalid={BY_ENV_NAME[name].name for name in problems if name in BY_ENV_NAME}))
     if not problems:
-        problems.update(refusals.cross_checks(values))
         values = {k: v + 0.0 if isinstance(v, float) else v for k, v in values.items()}  # -0 is 0: the same fingerprint, the same params
     if problems:
         lines = [f"  {name}={refusals.shown(name, layered.get(name))!s}: {why}" for name, why in sorted(problems.items())]

@@ -1,7 +1,9 @@
 """FT_PRESET=demo: a tiny Qwen3 model, tokenizer and chat dataset, built offline and deterministically.
 
 The task (reverse the user's list of words) can only be solved by attending to the user turn, so a
-model that learns it proves the data path end to end: template, masking, labels, saving, loading.
+model that learns it proves the data path end to end: template, masking, labels, saving, loading.  Each prompt
+has one right answer (`example`), so an answer is scored exactly (trainer/tracking/scoring.py); `held_out` gives
+prompts the training rows do not hold.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ WORDS = (
 ).split()
 
 
+def example(words: list[str]) -> tuple[str, str]:
+    """The task: the user's prompt for a list of words, and its one right answer."""
+    return "Reverse: " + " ".join(words), " ".join(reversed(words))
+
+
 def reversal_conversation(rng: random.Random) -> dict:
-    words = rng.sample(WORDS, rng.randint(3, 6))
-    messages = [
-        {"role": "user", "content": "Reverse: " + " ".join(words)},
-        {"role": "assistant", "content": " ".join(reversed(words))},
-    ]
+    prompt, answer = example(rng.sample(WORDS, rng.randint(3, 6)))
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
     if rng.random() < 0.2:
         messages.insert(0, {"role": "system", "content": "You reverse lists of words."})
     return {"messages": messages}
@@ -34,6 +38,20 @@ def reversal_conversation(rng: random.Random) -> dict:
 def conversations(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [reversal_conversation(rng) for _ in range(n)]
+
+
+ROWS, SEED = 2000, 1234  # the demo's data/train.jsonl
+
+
+def held_out(n: int, seed: int = 20_251) -> list[tuple[str, str]]:
+    """`n` (prompt, answer) pairs whose prompt no row of the demo's data holds (drawn with another seed)."""
+    seen = {row["messages"][-2]["content"] for row in conversations(ROWS, SEED)}
+    rng, pairs = random.Random(seed), []
+    while len(pairs) < n:
+        pair = example(rng.sample(WORDS, rng.randint(3, 6)))
+        if pair[0] not in seen and pair not in pairs:
+            pairs.append(pair)
+    return pairs
 
 
 def build_tokenizer(texts: list[str]):
@@ -78,12 +96,12 @@ def build_model(vocab_size: int, pad_token_id: int, eos_token_id: int):
     return Qwen3ForCausalLM(config)
 
 
-def ensure_demo(output_dir: str, rows: int = 2000) -> str:
+def ensure_demo(output_dir: str, rows: int = ROWS) -> str:
     """Build the volume's demo folder once (model, tokenizer, data/train.jsonl); later calls reuse it."""
     demo = Volume(output_dir).demo
     if os.path.exists(os.path.join(demo, "COMPLETE")):
         return demo
-    data = conversations(rows, seed=1234)
+    data = conversations(rows, seed=SEED)
     texts = [m["content"] for row in data for m in row["messages"]]
     tokenizer = build_tokenizer(texts + ["system user assistant"])
     model = build_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)

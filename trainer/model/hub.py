@@ -31,10 +31,7 @@ def check_reachable(settings: Settings) -> None:
     from huggingface_hub import constants
 
     ids = hub_ids(settings)
-    if not ids or constants.HF_HUB_OFFLINE:
-        return
-    why = probe.answers(lambda: _ask(constants.ENDPOINT, float(constants.HF_HUB_ETAG_TIMEOUT)), TRIES)
-    if why is None:
+    if not ids or (why := unreachable()) is None:
         return
     named = ", ".join(f"{variable}={spec!r}" for variable, spec in ids.items())
     local = "; ".join(locations.not_local(spec) for spec in ids.values())
@@ -43,6 +40,15 @@ def check_reachable(settings: Settings) -> None:
         "point the variable at them (FT_MODEL=<folder with config.json and *.safetensors>, FT_DATASET=<files or save_to_disk folder>), "
         "or fill HF_HOME's cache on a connected machine and set HF_HUB_OFFLINE=1. A retry helps once the hub (or HF_ENDPOINT) answers."
     )
+
+
+def unreachable(tries: int = TRIES) -> str | None:
+    """Why the hub's endpoint does not answer (asked up to `tries` times), or None: it answers, or HF_HUB_OFFLINE=1 means it is not asked."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    return probe.answers(lambda: _ask(constants.ENDPOINT, float(constants.HF_HUB_ETAG_TIMEOUT)), tries)
 
 
 def _ask(endpoint: str, timeout: float) -> str | None:

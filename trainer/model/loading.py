@@ -42,6 +42,8 @@ def load_tokenizer(settings: Settings) -> Any:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model, **hub_kwargs(settings))
+    if settings.chat_template:  # FT_CHAT_TEMPLATE: renders every row, and is saved with the model
+        tokenizer.chat_template = chat_template(settings.chat_template)
     if not tokenizer.chat_template:
         tokenizer.add_special_tokens({"additional_special_tokens": [chatml.IM_START, chatml.IM_END]})
         tokenizer.chat_template = chatml.TEMPLATE
@@ -50,6 +52,23 @@ def load_tokenizer(settings: Settings) -> Any:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def chat_template(path: str) -> str:
+    """The Jinja template in FT_CHAT_TEMPLATE's file; exit 2 for a file that is not UTF-8 text or not a template Jinja can compile."""
+    import jinja2
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        jinja2.Environment().parse(text)
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"FT_CHAT_TEMPLATE={path!r}: cannot be read as UTF-8 text ({error})") from None
+    except jinja2.TemplateSyntaxError as error:
+        raise ConfigError(f"FT_CHAT_TEMPLATE={path!r}: not a Jinja template: line {error.lineno}: {error.message}") from None
+    if not text.strip():
+        raise ConfigError(f"FT_CHAT_TEMPLATE={path!r}: the file is empty; it must hold a Jinja chat template")
+    return text
 
 
 def load_model(settings: Settings, tokenizer: Any, precision: Precision) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 from trainer.core import config as job_config
 from trainer.core import ending, errors, settings
 from trainer.core.errors import ConfigError
-from trainer.model import memory
+from trainer.model import hub, memory
 
 # What each card reports to the job (nvidia-smi's total, in MiB, as bytes): the plan must fit this, not the name.
 CARDS = {
@@ -44,15 +44,17 @@ def read_config(model: str, revision: str) -> tuple[Any, str]:
                 return _attributes(json.load(f)), path
     if os.path.isdir(model) or model.startswith(("/", "./", "../")) or model.endswith(".json"):
         raise ConfigError(f"FT_MODEL={model!r}: no config.json there; `plan` needs only that file of the model")
+    local = "set FT_MODEL to a local folder holding it (bench/configs/ has Qwen3-8B, 14B and 32B; bench/qwen3-4b-config.json is Qwen3-4B)"
+    # Asked once first: huggingface_hub's own five retries of an unreachable hub took 24 s before the same message.
+    if why := hub.unreachable(tries=1):
+        raise ConfigError(f"FT_MODEL={model!r}: the Hugging Face hub does not answer ({why}). `plan` needs only the model's config.json: {local}")
     try:
         from huggingface_hub import hf_hub_download
 
         path = hf_hub_download(model, "config.json", revision=revision or None)
     except (OSError, ValueError) as error:  # offline, unreachable, unknown repo (huggingface_hub's errors subclass these)
-        raise ConfigError(
-            f"FT_MODEL={model!r}: cannot read its config.json from the Hugging Face hub ({type(error).__name__}). `plan` needs only "
-            "that file: set FT_MODEL to a local folder holding it (bench/configs/ has Qwen3-8B, 14B and 32B; bench/qwen3-4b-config.json is Qwen3-4B)"
-        ) from None
+        raise ConfigError(f"FT_MODEL={model!r}: cannot read its config.json from the Hugging Face hub ({type(error).__name__}). `plan` needs only "
+                          f"that file: {local}") from None
     with open(path, encoding="utf-8") as f:
         return _attributes(json.load(f)), model
 

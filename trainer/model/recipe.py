@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.core.config import Precision
+from trainer.core.schedule import Schedule
 from trainer.core.settings import Settings
 from trainer.core.volume import Volume
 
@@ -131,8 +132,11 @@ def hybrid_sharding(plan: Any) -> Any:
     return ParallelismConfig(dp_replicate_size=plan.replicas, dp_shard_size=plan.processes // plan.replicas)
 
 
-def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, evaluate: bool = True) -> Any:
+def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, evaluate: bool = True, steps: Schedule | None = None) -> Any:
     """`plan` (trainer.model.memory.Plan) gives the passes per step and which layers recompute their activations.
+
+    `steps`: the job's schedule (trainer/core/schedule.py: the steps FT_NUM_EPOCHS makes of the rows, the warm-up of
+    FT_WARMUP_RATIO); without one, FT_MAX_STEPS and FT_WARMUP_STEPS as they are.
 
     `evaluate`: there are validation rows.  Without them (`FT_EVAL_FRACTION=0` and no other validation data)
     nothing is evaluated and the final model is the last step's, not the best by eval loss.
@@ -147,8 +151,8 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         gradient_accumulation_steps=plan.passes_per_step,
         learning_rate=settings.learning_rate,
         lr_scheduler_type=settings.lr_scheduler,
-        max_steps=settings.max_steps,
-        warmup_steps=settings.warmup_steps,
+        max_steps=steps.steps if steps else settings.max_steps,  # epochs too: the Trainer counts an epoch as schedule.py does
+        warmup_steps=steps.warmup_steps if steps else settings.warmup_steps,
         weight_decay=settings.weight_decay,
         max_grad_norm=settings.max_grad_norm,  # 0 = no clipping (transformers clips only above 0; None breaks its comparison)
         seed=settings.seed,

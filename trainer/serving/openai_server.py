@@ -91,6 +91,11 @@ def named_link(folder: Path, name: str) -> Path:
 
 def _download(uri: str, download_dir: str | None) -> str:
     """The local folder of an MLflow model URI (on a local store, its own folder: nothing is copied)."""
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not os.environ.get("MLFLOW_REGISTRY_URI"):  # MLflow would make an empty ./mlflow.db
+        raise NotServable(f"{uri}: MLFLOW_TRACKING_URI is not set, so there is no registry to find it in. Set it to the job's store: "
+                          "sqlite:///<FT_OUTPUT_DIR>/mlflow/mlflow.db for the embedded one (after the demo: "
+                          "MLFLOW_TRACKING_URI=sqlite:///$PWD/out/mlflow/mlflow.db), or your tracking server's URL; "
+                          "or give the job's final/ folder instead")
     import mlflow
     from mlflow.exceptions import MlflowException
 

@@ -1,7 +1,8 @@
 """The plan, printed once before training: what a user would otherwise work out by hand.
 
-    model and precision, rows; steps x effective batch (x processes) = sequences, epochs, tokens per step;
-    the eval and checkpoint cadence and where checkpoints land; what one checkpoint costs to write and stage.
+    model and precision, rows; the steps (from FT_MAX_STEPS or FT_NUM_EPOCHS) x the effective batch = sequences,
+    epochs, tokens per step; each step as the memory plan trains it (sequences x passes, the same words as the memory
+    plan's line); the warm-up; the eval and checkpoint cadence and where checkpoints land; what one checkpoint costs.
 """
 
 from __future__ import annotations
@@ -9,27 +10,33 @@ from __future__ import annotations
 from trainer.checkpointing import saving
 from trainer.core import ranks
 from trainer.core.config import Config
+from trainer.core.schedule import Schedule
 from trainer.core.volume import Volume
 from trainer.data.prepare import Prepared
 from trainer.model import loading as model
 from trainer.model import memory
 
 
-def print_plan(config: Config, prepared: Prepared, plan: memory.Plan) -> None:
+def print_plan(config: Config, prepared: Prepared, plan: memory.Plan, steps: Schedule) -> None:
     """What a user would otherwise work out by hand, printed once."""
     settings = config.settings
     per_rank = settings.batch_size * settings.gradient_accumulation_steps
     effective = per_rank * config.world_size
-    ranks_line = f" x {config.world_size} processes ({plan.strategy})" if config.world_size > 1 else ""
+    processes = f" ({per_rank} per process x {config.world_size} processes, {plan.strategy})" if config.world_size > 1 else ""
+    per_process = ", in each process" if config.world_size > 1 else ""
+    regrouped = "regrouped to fit the device (FT_BATCH_LAYOUT=auto)" if settings.batch_layout == "auto" else "as set (FT_BATCH_LAYOUT=as-set)"
+    warmup = f"FT_WARMUP_RATIO={settings.warmup_ratio:g}" if settings.warmup_ratio else "FT_WARMUP_STEPS"
     by_time = f" or at the first evaluation {settings.save_every_minutes:g} min after the last" if settings.save_every_minutes else ""
     early = f" (stop after {settings.early_stopping_patience} without improvement)" if settings.early_stopping_patience else ""
     n_train, n_eval = len(prepared.train), len(prepared.eval) if prepared.eval is not None else 0
     print(
         "fulltune: plan\n"
         f"  model {settings.model} ({config.precision.name}), data {settings.dataset}: {n_train} train / {n_eval} validation rows\n"
-        f"  {settings.max_steps} steps x effective batch {effective} ({settings.batch_size} x {settings.gradient_accumulation_steps} accumulation{ranks_line})"
-        f" = {settings.max_steps * effective} sequences, {settings.max_steps * effective / max(n_train, 1):.2f} epochs,"
+        f"  {steps.describe(settings)} x effective batch {effective}{processes} = {steps.steps * effective} sequences,"
         f" up to {effective * settings.max_length} tokens per step\n"
+        f"  each step{per_process}: {plan.sequences_per_pass} sequences x {plan.passes_per_step} passes (FT_BATCH_SIZE={settings.batch_size} x "
+        f"FT_GRADIENT_ACCUMULATION_STEPS={settings.gradient_accumulation_steps}, {regrouped}); warm-up {steps.warmup_steps} steps ({warmup}),"
+        f" then {settings.lr_scheduler}\n"
         f"  eval every {settings.eval_steps} steps{early}, checkpoint every {settings.save_steps} steps{by_time} (keep {settings.save_total_limit} + best)"
         f" in {Volume(settings.output_dir).checkpoints}\n"
         f"  {_checkpoint_cost(config, plan)}",

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from trainer.core.settings import SECRET_NAME
+from trainer.tracking import scoring
 from trainer.tracking.chart import chart_png
 from trainer.tracking.server import scrub
 
@@ -124,14 +125,19 @@ def _samples(rows: list[dict]) -> str:
             + (f"<th>Step {last}</th>" if last != first else "") + "</tr>")
     body = ""
     for index, sample in before.items():
-        later = _answer(after[index]["answer"]) if last != first and index in after else ""
-        body += f"<tr><td>{_conversation(sample['prompt'])}</td><td><pre>{_e(sample['reference'])}</pre></td>{_answer(sample['answer'])}{later}</tr>"
-    note = f"Greedy answers to the same validation prompts; answers at steps {', '.join(map(str, steps))} are in eval-samples.jsonl."
-    return f"<p>{_e(note)}</p><table>{head}{body}</table>"
+        later = _answer(after[index]) if last != first and index in after else ""
+        body += f"<tr><td>{_conversation(sample['prompt'])}</td><td><pre>{_e(sample['reference'])}</pre></td>{_answer(sample)}{later}</tr>"
+    right, answered = scoring.tally(after.values())
+    note = (f"Greedy answers to the same validation prompts: {right} of {answered} exactly right at step {last} (✓: the answer is the reference). "
+            f"Answers at steps {', '.join(map(str, steps))} are in eval-samples.jsonl.")
+    return f"<p class=score>{_e(note)}</p><table>{head}{body}</table>"
 
 
-def _answer(text: str) -> str:
-    return f"<td><pre>{_e(text)}</pre></td>" if text else '<td class="empty">(empty: only special tokens or none)</td>'
+def _answer(sample: dict) -> str:
+    if not sample["answer"]:
+        return '<td class="empty">(empty: only special tokens or none)</td>'
+    mark = "✓ " if scoring.exactly_right(sample["answer"], sample["reference"]) else ""
+    return f"<td><pre>{mark}{_e(sample['answer'])}</pre></td>"
 
 
 TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>\n?|$)", re.S)  # ChatML, Qwen's template

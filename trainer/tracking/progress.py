@@ -79,9 +79,10 @@ class Progress(TrainerCallback):
     """
 
     def __init__(self, tracker: Tracker, config: Any, n_params: int, sequences_per_step: int, cuda: bool, checkpoint_costs: Any = None,
-                 telemetry: Telemetry | None = None):
+                 telemetry: Telemetry | None = None, by_epochs: bool = False):
         self.tracker, self.config, self.n_params, self.sequences_per_step, self.cuda = tracker, config, n_params, sequences_per_step, cuda
         self.telemetry = telemetry or Telemetry()
+        self.by_epochs = by_epochs  # FT_NUM_EPOCHS: the line also says which epoch the step is in
         self.checkpoint_costs = checkpoint_costs  # checkpointing/saving.Costs: what each save blocked training
         self.peak = None
         if cuda:
@@ -144,6 +145,8 @@ class Progress(TrainerCallback):
             "mem_gb": memory_gb(self.cuda),
             "eta_s": eta,
         }
+        if self.by_epochs:
+            values["epoch"] = round(float(state.epoch or 0.0), 2)
         print(format_line(values), flush=True)
         self.telemetry.metrics(**{k: v for k, v in values.items() if k != "step"})
         self.tracker.log_metrics({k: v for k, v in values.items() if k in ("tokens_per_s", "mfu", "mem_gb", "eta_s") and v is not None}, state.global_step)

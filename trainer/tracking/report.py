@@ -22,7 +22,6 @@ printed and training goes on.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from trainer.core.files import write_text
 from trainer.core.volume import Volume
 from trainer.tracking.page import CHARTS, chart_png, render, utc
 from trainer.tracking.run import Tracker
+from trainer.tracking.scoring import read_samples
 
 __all__ = ["CHARTS", "ReportFacts", "RunReport", "chart_png", "read_samples", "render"]
 
@@ -114,12 +114,3 @@ class RunReport(TrainerCallback):
             "hyperparameters": job.hyperparameters,
             "attempts": self.tracker.attempts(),
         }
-
-
-def read_samples(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-

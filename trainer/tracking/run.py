@@ -64,6 +64,7 @@ class Tracker:
         self._open = False
         self._attempt: dict[str, Any] | None = None  # this attempt's row of the job's attempts (the run file keeps them all)
         self.last_step = 0
+        self.planned_steps: int | None = None  # the steps the job trains (trainer/core/schedule.py), once the rows are known
 
     # -- The run's lifecycle ------------------------------------------------------------------------
 

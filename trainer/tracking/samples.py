@@ -3,8 +3,9 @@
     FT_EVAL_SAMPLES=4 prompts, picked once from the validation split with FT_SEED (the same ones every time);
     answered greedily, at most FT_EVAL_SAMPLE_TOKENS new tokens, in one left-padded `generate` call;
     appended to FT_OUTPUT_DIR/eval-samples.jsonl and to the MLflow run's `eval_samples.json` table:
-        {"step": 20, "row": 113, "prompt": "<|im_start|>user\\n...", "reference": "...", "answer": "...", "tokens": 9}
+        {"step": 20, "row": 113, "prompt": "<|im_start|>user\\n...", "reference": "...", "answer": "...", "tokens": 9, "exact": true}
 
+`exact`: the answer is the reference (trainer/tracking/scoring.py, the one rule); the log line says how many are.
 The prompt is the validation row as the model sees it, up to and including the last generation prompt of the
 chat template (`<|im_start|>assistant\\n` for Qwen3); the reference is the rest of the row.  Plain-text rows
 (no chat template) are cut in half.  Step 0 is the base model.  Rank 0 generates while the other processes
@@ -26,6 +27,7 @@ from trainer.core.files import append_lines, write_text
 from trainer.core.volume import Volume
 from trainer.data.prepare import Prepared
 from trainer.model.memory import Plan
+from trainer.tracking import scoring
 from trainer.tracking.run import Tracker
 
 TABLE = "eval_samples.json"  # the MLflow run's artifact
@@ -148,6 +150,7 @@ class SampleAnswers(TrainerCallback):
                         "tokens": len(ids),
                     }
                 )
+                rows[-1]["exact"] = scoring.exactly_right(rows[-1]["answer"], rows[-1]["reference"])
         finally:
             if net.config._attn_implementation != attention:
                 net.set_attn_implementation(attention)
@@ -155,10 +158,12 @@ class SampleAnswers(TrainerCallback):
         seconds = time.perf_counter() - started
         append_lines(self.path, (json.dumps(row, ensure_ascii=False) for row in rows))
         self.tracker.log_table(rows, TABLE)
-        self.tracker.log_metrics({"eval_samples_seconds": seconds}, step)
+        right, answered = scoring.tally(rows)
+        self.tracker.log_metrics({"eval_samples_seconds": seconds, "eval_samples_exact_match": right / max(answered, 1)}, step)
         first = rows[0]["answer"] if rows else ""
         shown = first if len(first) <= 80 else first[:77] + "..."
-        print(f"fulltune: sample answers at step {step}: {len(rows)} in {seconds:.1f} s ({self.path}); first: {shown!r}", flush=True)
+        print(f"fulltune: sample answers at step {step}: {right} of {answered} exactly right, in {seconds:.1f} s ({self.path}); first: {shown!r}",
+              flush=True)
 
     def _keep_up_to(self, step: int) -> None:
         if not os.path.exists(self.path):
