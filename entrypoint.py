@@ -34,14 +34,14 @@ Configured only through environment variables (every FT_* setting and its defaul
   FT_OUTPUT_DIR                   the volume: checkpoints, the final model, the report (default /output)
   FT_NUM_EPOCHS or FT_MAX_STEPS   how long to train
   HF_TOKEN, MLFLOW_TRACKING_URI   the libraries' own variables
-Run it again with the same FT_OUTPUT_DIR and it resumes.  Exit codes (README.md#exit-codes): 0 done; 1 unexpected,
-a retry may help; 2 bad configuration or data, fix it; 3 trained, not registered; 4 out of GPU memory; 5 diverged;
-6 volume full; 7 another job holds the volume; 75 stopped, checkpoint committed; 76 stopped before the commit."""
+Run it again with the same FT_OUTPUT_DIR and it resumes.  Exit codes (README.md#exit-codes):"""
+
 
 
 def main() -> int:
     if sys.argv[1:2] in (["--help"], ["-h"]):  # before anything is read or created
         print(USAGE)
+        print("\n".join(f"  {code:>3}  {words}" for code, (words, _) in errors.EXIT_SUMMARY.items()))
         return 0
     if sys.argv[1:2] == ["plan"]:  # a question before renting GPUs: no job, no torch (trainer/model/plan_command.py)
         from trainer.model import plan_command

@@ -26,9 +26,10 @@ def _prose(page: Path) -> str:
 
 
 def _anchors(page: Path) -> set[str]:
-    """GitHub's heading ids: lower case, punctuation dropped (but - and _), spaces to hyphens."""
-    headings = re.findall(r"^#{1,6} (.+)$", _prose(page), re.M)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+    """GitHub's heading ids (lower case, punctuation dropped but - and _, spaces to hyphens), and `<a id="...">` anchors."""
+    prose = _prose(page)
+    headings = re.findall(r"^#{1,6} (.+)$", prose, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings} | set(re.findall(r'<a id="([^"]+)"></a>', prose))
 
 
 def broken_links(page: Path) -> list[str]:

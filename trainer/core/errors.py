@@ -60,6 +60,23 @@ EXIT_CODES = {
 }
 
 
+# The README's table: each code in a few words and whether a retry can help; the whole meaning (EXIT_CODES) is in
+# docs/preemption-and-failures.md#exit-codes, generated like it (trainer/core/settings_doc.py).
+EXIT_SUMMARY = {
+    0: ("success (also a re-run of a job that already finished)", "-"),
+    1: ("unexpected failure; or the hub, the MLflow server or the object store not answering at start", "yes: resumes"),
+    2: ("bad configuration or input, found before training (the message names the variable, file or row)", "no: fix what it names"),
+    3: ("trained and saved; registering in MLflow failed", "yes: registers only"),
+    4: ("out of GPU memory at the smallest plan the settings allow", "no: change the settings or the GPU"),
+    5: ("training diverged (loss or weights not finite, or above FT_LOSS_LIMIT)", "no: lower the learning rate"),
+    6: ("volume full", "after freeing space: resumes"),
+    7: ("another job holds this volume's lease", "once that job has ended"),
+    8: ("trained and saved; not yet in FT_MIRROR_URL or on the hub (FT_PUSH_TO_HUB)", "yes: uploads only"),
+    75: ("stopped by a signal after committing a checkpoint; or a step-down across nodes", "yes: resumes"),
+    76: ("stopped before the stop's checkpoint was committed", "yes: resumes from the one before"),
+    77: ("stuck: no optimizer step for FT_STUCK_AFTER_SECONDS (FT_STUCK_EXIT=true)", "yes: resumes"),
+}
+
 class FulltuneError(Exception):
     """Base class: the message is written for the user and ends with what to do."""
 

@@ -1,8 +1,9 @@
-"""The documentation's generated tables: `docs/settings.md`'s table of variables and the README's exit codes.
+"""The documentation's generated tables: `docs/settings.md`'s table of variables, the README's exit codes in a few
+words and docs/preemption-and-failures.md's in full.
 
-Both are written from the code (`settings.TABLE`, `errors.EXIT_CODES`) between `<!-- name:start -->` and
+All are written from the code (`settings.TABLE`, `errors.EXIT_SUMMARY`, `errors.EXIT_CODES`) between `<!-- name:start -->` and
 `<!-- name:end -->` markers, so the prose around them stays hand-written; tests/test_settings.py fails when
-either file drifts from the code.  Regenerate both after changing a setting or an exit code:
+a file drifts from the code.  Regenerate them after changing a setting or an exit code:
 
     python -m trainer.core.settings_doc
 """
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.core.errors import EXIT_CODES
+from trainer.core.errors import EXIT_CODES, EXIT_SUMMARY
 from trainer.core.settings import TABLE
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS_DOC = Path("docs") / "settings.md"
 README = Path("README.md")
+FAILURES_DOC = Path("docs") / "preemption-and-failures.md"
 CHANGES_COLUMN = {"": "no", "data": "yes (data)", "training": "yes"}
 
 
@@ -35,8 +37,16 @@ def settings_table() -> str:
     return "\n".join(out).strip() + "\n"
 
 
+def exit_code_summary() -> str:
+    """The README's table: a few words a code, whether a retry helps, and the link to its whole meaning."""
+    rows = (f"| {code} | {words} | {retry} | [more](docs/preemption-and-failures.md#exit-{code}) |\n" for code, (words, retry) in EXIT_SUMMARY.items())
+    return "| Code | Meaning | Does a retry help? | |\n|---|---|---|---|\n" + "".join(rows)
+
+
 def exit_code_table() -> str:
-    return "| Code | Meaning |\n|---|---|\n" + "".join(f"| {code} | {meaning} |\n" for code, meaning in EXIT_CODES.items())
+    """docs/preemption-and-failures.md's table: every code's whole meaning, each row its own anchor for the README's links."""
+    rows = (f'| <a id="exit-{code}"></a>{code} | {meaning} |\n' for code, meaning in EXIT_CODES.items())
+    return "| Code | Meaning |\n|---|---|\n" + "".join(rows)
 
 
 def between_markers(text: str, marker: str, body: str) -> str:
@@ -49,9 +59,10 @@ def between_markers(text: str, marker: str, body: str) -> str:
 
 
 def regenerate(root: Path = ROOT) -> list[Path]:
-    """Rewrite both generated tables under `root`; returns the files that changed."""
+    """Rewrite the generated tables under `root`; returns the files that changed."""
     changed = []
-    for path, marker, body in ((SETTINGS_DOC, "settings", settings_table()), (README, "exit-codes", exit_code_table())):
+    tables = ((SETTINGS_DOC, "settings", settings_table()), (README, "exit-codes", exit_code_summary()), (FAILURES_DOC, "exit-codes", exit_code_table()))
+    for path, marker, body in tables:
         path = root / path
         text = path.read_text(encoding="utf-8")
         new = between_markers(text, marker, body)
