@@ -416,6 +416,12 @@ ELSEWHERE = {
     # 3 (and 0: never) there, with FT_STUCK_EXIT false and true; 1800 elsewhere
     "FT_STUCK_AFTER_SECONDS": "test_a_hung_job_is_flagged_stuck_once_and_with_stuck_exit_ends_77_saving_nothing",
     "FT_STUCK_EXIT": "test_a_hung_job_is_flagged_stuck_once_and_with_stuck_exit_ends_77_saving_nothing",
+    "FT_MIRROR_URL": "test_the_demo_reads_s3_data_and_the_bucket_holds_each_committed_checkpoint_with_its_manifest_and_the_final_model",  # empty elsewhere
+    "FT_MIRROR_WAIT_SECONDS": "test_the_bucket_down_past_the_end_exits_8_keeping_the_model_and_a_retry_only_uploads",  # 3 there, 600 elsewhere
+    "FT_PUSH_TO_HUB": "test_a_hub_that_does_not_answer_exits_8_keeping_the_model_and_its_card_and_a_retry_only_pushes",  # empty elsewhere
+    # true there; no push reaches a hub in the tests (none is reachable), so what false changes is not run anywhere
+    "FT_HUB_PRIVATE": "test_a_hub_that_does_not_answer_exits_8_keeping_the_model_and_its_card_and_a_retry_only_pushes",
+    "FT_RENDEZVOUS_TIMEOUT_SECONDS": "test_a_node_whose_peers_never_come_waits_the_rendezvous_timeout_then_exits_1_naming_it",  # 10 there, 1800 elsewhere
 }
 
 

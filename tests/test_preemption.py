@@ -119,9 +119,10 @@ def test_stop_crash_and_crash_inside_a_save_end_with_the_uninterrupted_weights(u
 def test_resume_across_epoch_boundaries_is_exact(tmp_path):
     from trainer.data import demo
 
-    data = tmp_path / "small.jsonl"  # 45 training rows: 6 optimizer steps per epoch
+    data = tmp_path / "small.jsonl"  # 45 training rows at 8 sequences a step: 6 optimizer steps per epoch
     data.write_text("".join(json.dumps(row) + "\n" for row in demo.conversations(50, seed=7)))
-    settings = STEPS | {"FT_DATASET": str(data), "FT_MAX_STEPS": "30", "FT_REGISTERED_MODEL": ""}
+    settings = STEPS | {"FT_DATASET": str(data), "FT_MAX_STEPS": "30", "FT_REGISTERED_MODEL": "",
+                        "FT_BATCH_SIZE": "4", "FT_GRADIENT_ACCUMULATION_STEPS": "2"}
     reference, out = tmp_path / "reference", tmp_path / "volume"
     assert run_job(job_env(reference, **settings)).returncode == 0
 

@@ -134,7 +134,7 @@ def shards(log: str) -> tuple[int, list[int]]:
 
 def test_fsdp_shards_the_model_over_two_cpu_processes_and_trains_what_one_process_trains(one_process, fsdp):
     out, log = fsdp
-    assert "4 x 1 accumulation x 2 processes (fsdp)" in log
+    assert "effective batch 8 (4 per process x 2 processes, fsdp)" in log
     whole, held = shards(log)
     assert len(held) == 2 and sum(held) == whole and max(held) <= 0.51 * whole, (whole, held)  # halves, not two replicas
     sharded, whole_model = metric(out, "loss"), metric(one_process, "loss")
@@ -167,10 +167,10 @@ def test_bf16_sr_under_fsdp_steps_bf16_shards_and_trains_what_one_process_trains
     from safetensors.torch import load_file
 
     alone = tmp_path / "one"
-    reference = run_job(job_env(alone, **ONE, **SR))
+    reference = run_job(job_env(alone, **(ONE | SR)))
     assert reference.returncode == 0, reference.stdout + reference.stderr
     out, stepped = tmp_path / "fsdp", tmp_path / "optimizer.jsonl"
-    env = job_env(out, **TWO, **SR, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port()))
+    env = job_env(out, **(TWO | SR), FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port()))
     result = run_job(with_faults(env, record_optimizer=str(stepped)))
     assert result.returncode == 0, result.stdout + result.stderr
     records = {r["rank"]: r for r in map(json.loads, stepped.read_text().splitlines())}
@@ -195,7 +195,7 @@ def test_bf16_sr_under_fsdp_steps_bf16_shards_and_trains_what_one_process_trains
     # Killed inside the save of step 20 and restarted from step 10's DCP shards: the rounding's bits are a function of
     # the seed, the step, the parameter and the shard, so the resumed job ends with the uninterrupted one's weights.
     again = tmp_path / "resumed"
-    env = job_env(again, **TWO, **SR, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port()))
+    env = job_env(again, **(TWO | SR), FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port()))
     crashed = run_job(with_faults(env, kill_before_commit_at_step="20"))
     assert crashed.returncode == 1 and committed_steps(again) == [10], crashed.stdout + crashed.stderr
     resumed = run_job(env | {"FT_MASTER_PORT": str(free_port())})
@@ -400,7 +400,7 @@ def two_nodes(tmp_path_factory) -> Path:
     """An uninterrupted two-node job: the reference for the interrupted ones."""
     tmp_path = tmp_path_factory.mktemp("two-nodes")
     out = tmp_path / "volume"
-    nodes = start_nodes(node_envs(out, tmp_path, **TWO, **SHORT), tmp_path, "run")
+    nodes = start_nodes(node_envs(out, tmp_path, **(TWO | SHORT)), tmp_path, "run")
     codes = [node.wait(timeout=600) for node in nodes]
     assert codes == [0, 0], [(tmp_path / f"run-node{r}.log").read_text()[-3000:] for r in (0, 1)]
     return out
@@ -422,7 +422,7 @@ def test_fsdp_over_two_nodes_shards_within_each_node_and_replicates_across_them_
     codes = [node.wait(timeout=900) for node in nodes]
     log = (tmp_path / "hsdp-node0.log").read_text()
     assert codes == [0, 0], [log[-3000:], (tmp_path / "hsdp-node1.log").read_text()[-3000:]]
-    assert "2 x 1 accumulation x 4 processes (fsdp)" in log
+    assert "effective batch 8 (2 per process x 4 processes, fsdp)" in log
     assert "4 processes (fsdp: 1/2 of the model each, sharded within each of 2 nodes and replicated across them)" in log
     whole, held = shards(log)
     assert len(held) == 4 and sum(held) == 2 * whole and max(held) <= 0.51 * whole, (whole, held)  # halves, twice over
@@ -436,7 +436,7 @@ def test_fsdp_over_two_nodes_shards_within_each_node_and_replicates_across_them_
 @pytest.mark.faults("SIGTERM to one node of two", "a restart on another number of processes")
 def test_sigterm_to_one_node_stops_both_at_the_same_step_and_the_restart_ends_as_an_uninterrupted_run(two_nodes, tmp_path):
     out = tmp_path / "volume"
-    envs = node_envs(out, tmp_path, **TWO, **SHORT)
+    envs = node_envs(out, tmp_path, **(TWO | SHORT))
     nodes = start_nodes([with_faults(env, seconds_per_step="0.2") for env in envs], tmp_path, "stopped")
     wait_for(lambda: committed_steps(out) == [10], timeout=300, what="the first checkpoint")
     time.sleep(0.5)
@@ -450,10 +450,10 @@ def test_sigterm_to_one_node_stops_both_at_the_same_step_and_the_restart_ends_as
         assert f"checkpoint at step {stop_step} committed" in termination_message(envs[rank])
     assert "a stop signal on another rank" in logs[0] or "SIGTERM" in logs[0]
 
-    alone = run_job(job_env(out, **TWO, **SHORT), timeout=300)  # the same volume, one process: the global batch would halve
+    alone = run_job(job_env(out, **(TWO | SHORT)), timeout=300)  # the same volume, one process: the global batch would halve
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert "world_size: '2' on the volume, '1' now" in alone.stderr and "FT_ALLOW_CONFIG_CHANGE" in alone.stderr
-    sharded = run_job(job_env(out, **TWO, **SHORT, FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port())), timeout=300)
+    sharded = run_job(job_env(out, **(TWO | SHORT), FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp", FT_MASTER_PORT=str(free_port())), timeout=300)
     assert sharded.returncode == 2, sharded.stdout + sharded.stderr  # DDP's checkpoint, in torch's layout
     assert "was written by one process or DDP and this job runs fsdp" in sharded.stderr and "memory plan" not in sharded.stdout
 
@@ -469,7 +469,7 @@ def test_sigterm_to_one_node_stops_both_at_the_same_step_and_the_restart_ends_as
 @pytest.mark.faults("SIGKILL of one rank")
 def test_a_rank_that_dies_fails_the_whole_job_fast(tmp_path):
     out = tmp_path / "volume"
-    envs = node_envs(out, tmp_path, **TWO, **SHORT)
+    envs = node_envs(out, tmp_path, **(TWO | SHORT))
     nodes = start_nodes([with_faults(env, seconds_per_step="0.2") for env in envs], tmp_path, "killed")
     wait_for(lambda: committed_steps(out) == [10], timeout=300, what="the first checkpoint")
     worker = _training_process(nodes[1].pid)
@@ -487,7 +487,7 @@ def test_a_rank_that_dies_fails_the_whole_job_fast(tmp_path):
 def test_a_node_whose_peers_never_come_waits_the_rendezvous_timeout_then_exits_1_naming_it(tmp_path):
     """torchrun's static rendezvous waits 600 s unless told otherwise: node 1, started alone, waits FT_RENDEZVOUS_TIMEOUT_SECONDS
     (default 1,800 s, tests/test_launch.py; here 10 s) for node 0, then exits 1 with torchrun's own error."""
-    env = node_envs(tmp_path / "volume", tmp_path, **TWO, **SHORT)[1] | {"FT_RENDEZVOUS_TIMEOUT_SECONDS": "10"}
+    env = node_envs(tmp_path / "volume", tmp_path, **(TWO | SHORT))[1] | {"FT_RENDEZVOUS_TIMEOUT_SECONDS": "10"}
     started = time.monotonic()
     result = run_job(env, timeout=300)
     took = time.monotonic() - started
@@ -499,7 +499,7 @@ def test_a_node_whose_peers_never_come_waits_the_rendezvous_timeout_then_exits_1
 @pytest.mark.faults("rank 0 still saving the final model when the others are done")
 def test_the_ranks_end_together_after_rank_0_saved_with_nccls_diagnostics_set_and_the_process_group_destroyed(tmp_path):
     out, exits = tmp_path / "volume", tmp_path / "exits.jsonl"
-    env = job_env(out, **TWO, FT_MAX_STEPS="4", FT_SAVE_STEPS="4", FT_EVAL_STEPS="4", FT_EVAL_SAMPLES="0", FT_NUM_PROCESSES="2",
+    env = job_env(out, **(TWO | dict(FT_MAX_STEPS="4")), FT_SAVE_STEPS="4", FT_EVAL_STEPS="4", FT_EVAL_SAMPLES="0", FT_NUM_PROCESSES="2",
                   FT_MASTER_PORT=str(free_port()), NCCL_DEBUG="INFO")  # a variable the caller set is the caller's
     result = run_job(with_faults(env, record_exit=str(exits)))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -528,7 +528,7 @@ def test_a_nan_loss_on_one_rank_stops_both_nodes_with_exit_5_and_keeps_the_last_
 
     out = tmp_path / "volume"
     quick = dict(FT_MAX_STEPS="12", FT_SAVE_STEPS="4", FT_EVAL_STEPS="4", FT_LOGGING_STEPS="2", FT_EVAL_SAMPLES="0", FT_EVAL_MAX_SAMPLES="16")
-    envs = node_envs(out, tmp_path, **TWO, **quick)
+    envs = node_envs(out, tmp_path, **(TWO | quick))
     nodes = start_nodes([with_faults(env, nan_loss_on_rank="1:6") for env in envs], tmp_path, "nan")
     codes = [node.wait(timeout=300) for node in nodes]
     logs = [(tmp_path / f"nan-node{rank}.log").read_text() for rank in (0, 1)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,10 +205,12 @@ def greedy_ids(model_dir: Path, messages: list[dict], max_new_tokens: int) -> tu
 def as_served(model_dir: Path, ids: list[int]) -> str:
     """The reply's text as transformers serve writes it: it reads a Qwen3 answer with its response parser (for
     `<think>` and tool calls), on the text with special tokens kept (vLLM drops them; a trained model writes none
-    before its `<|im_end|>`, the demo's tiny one does)."""
+    before its `<|im_end|>`), and the parser's close pattern ends the content at the closing `<|im_end|>`, which
+    the demo, trained to answer and stop, writes."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=False)
+    text = AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=False)
+    return re.sub(r"\s*(?:<\|im_end\|>|<\|endoftext\|>)$", "", text)
 
 
 @pytest.mark.slow  # the demo job and transformers serve in subprocesses

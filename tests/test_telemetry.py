@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 from deploy_files import unknown_fields
 
-from conftest import committed_steps, free_port, job_env, run_job, termination_message, with_faults
+from conftest import QUICK_DEMO, committed_steps, free_port, job_env, run_job, termination_message, with_faults
 
 STATUS_PATH = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/team-a/trainjobs/reverser/status"  # the controller's, for TrainJob team-a/reverser
 HOLD_S = 6  # a held post gets no answer for this long: longer than the job's timeout for one post
-MAX_STEPS = 40  # the demo's
+MAX_STEPS = int(QUICK_DEMO["FT_MAX_STEPS"])
 
 
 def make_tls(folder: Path) -> tuple[Path, Path, Path]:
@@ -222,7 +222,7 @@ def job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("trainjob")
     volume = folder / "volume"
     server = StatusServer(folder, volume)
-    base = job_env(volume, FT_PRESET="demo", FT_STUCK_AFTER_SECONDS="3", **server.env())
+    base = job_env(volume, **QUICK_DEMO, FT_STUCK_AFTER_SECONDS="3", **server.env())
     attempts = {}
     for name, faults, settings, plan in [
         ("stopped", {"seconds_per_step": "0.4", "hang_at_step": "12:6", "sigterm_at_step": "20"}, {}, []),
