@@ -417,7 +417,7 @@ def test_fsdp_over_two_nodes_shards_within_each_node_and_replicates_across_them_
     """2 nodes x 2 processes (gloo): HSDP, each layer's all-gather and reduce-scatter within a node, so each process
     holds half the model (a quarter over all four would send every layer's gathers across nodes)."""
     out = tmp_path / "volume"
-    envs = node_envs(out, tmp_path, per_node=2, FT_PRESET="demo", FT_BATCH_SIZE="2", FT_GRADIENT_ACCUMULATION_STEPS="1", FT_DISTRIBUTED="fsdp")
+    envs = node_envs(out, tmp_path, per_node=2, **(TWO | dict(FT_BATCH_SIZE="2")), FT_DISTRIBUTED="fsdp")
     nodes = start_nodes(envs, tmp_path, "hsdp")
     codes = [node.wait(timeout=900) for node in nodes]
     log = (tmp_path / "hsdp-node0.log").read_text()
