@@ -376,6 +376,13 @@ REFUSED = {
 
 # Settings whose documented values are run by another test (a subprocess job, or no trainer involved).
 ELSEWHERE = {
+    # the evaluation stage runs after training, in the job process (tests/test_evaluation.py, test_learning's demo)
+    "FT_EVAL_TASKS": "test_the_gate_keeps_a_model_that_got_worse_out_of_the_registry_with_exit_9_and_a_rerun_without_it_registers",
+    "FT_EVAL_MAX_REGRESSION": "test_the_gate_keeps_a_model_that_got_worse_out_of_the_registry_with_exit_9_and_a_rerun_without_it_registers",
+    "FT_EVAL_LIMIT": "test_a_stop_during_the_evaluation_exits_75_and_the_restart_evaluates_only_what_is_left_without_training",
+    "FT_EVAL_ROWS": "test_the_next_job_on_the_same_base_reads_the_base_scores_and_scores_only_its_own_model",  # 0 = none
+    "FT_EVAL_MAX_NEW_TOKENS": "test_the_demo_ends_with_a_before_after_table_where_the_fine_tuned_model_beats_the_base_on_both_scores",
+    "FT_EVAL_CACHE_DIR": "test_the_next_job_on_the_same_base_reads_the_base_scores_and_scores_only_its_own_model",
     "FT_COMPILE": "test_compile_trains_on_cpu",
     "FT_MODEL_REVISION": "test_model_revision_loads_that_revision_of_a_hub_model_from_the_cache",  # a tag, a commit, and empty = main
     "FT_DATASET_CONFIG": "test_hub_id_passes_configuration_split_and_revision",  # "en", asked of the (stubbed) hub

@@ -61,3 +61,38 @@ def test_the_demo_says_in_its_last_lines_and_its_report_how_many_sample_answers_
     page = (out / "report.html").read_text(encoding="utf-8")
     assert f"{right} of {answered} exactly right at step 240" in page
     assert page.count("✓ ") >= right  # each answer that is right is marked
+
+
+@pytest.mark.slow  # the demo job, as above
+def test_the_demo_ends_with_a_before_after_table_where_the_fine_tuned_model_beats_the_base_on_both_scores(demo_job_run):
+    """Its own benchmark (held-out lists, an lm-eval task over local rows) and its own validation rows, in the log, the report,
+    the MLflow run and the registered version."""
+    import json
+
+    import mlflow
+
+    from conftest import DEMO_NAME
+
+    out, result = demo_job_run
+    summary = json.loads((out / "evaluation" / "summary.json").read_text())
+    (bench,) = summary["benchmarks"]
+    own = summary["own_task"]
+    assert bench["task"] == demo.TASK and bench["tuned"] > bench["base"], bench
+    assert own["rows"] == 24 and own["tuned"]["exact_match"] > own["base"]["exact_match"] and own["tuned"]["chrf"] > own["base"]["chrf"], own
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("fulltune: evaluation, base -> fine-tuned: ")]
+    assert f"{demo.TASK} acc {bench['base']:.3f} -> {bench['tuned']:.3f}" in line
+    assert f"own task (24 validation rows) exact match {own['base']['exact_match']:.0%} -> {own['tuned']['exact_match']:.0%}" in line
+    assert "FT_EVAL_LIMIT" not in line  # every sample scored: nothing to label
+
+    page = (out / "report.html").read_text(encoding="utf-8")
+    table = page[page.index("<table id=evaluation>") :].split("</table>")[0]
+    assert f"<td>{demo.TASK}</td><td>acc</td><td class=n>{bench['base']:.4f}</td><td class=n>{bench['tuned']:.4f}</td>" in table
+    assert "own task (24 validation rows)" in table and "Worst own-task answers" in page
+
+    mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow/mlflow.db")
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert run.data.metrics[f"eval/{demo.TASK}/acc/base"] == pytest.approx(bench["base"])
+    assert run.data.metrics["eval/own_task/chrf/tuned"] == pytest.approx(own["tuned"]["chrf"])
+    version = mlflow.MlflowClient().get_model_version(DEMO_NAME, "1")
+    assert version.tags[f"eval.{demo.TASK}.acc"].startswith(f"{bench['base']:.4f} -> {bench['tuned']:.4f}")
+    assert f"| {demo.TASK} | acc | {bench['base']:.4f} | {bench['tuned']:.4f} |" in version.description

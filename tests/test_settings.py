@@ -13,6 +13,7 @@ from trainer.core.errors import ConfigError
 
 # The public names. Removing or renaming one breaks users' manifests: change this set on purpose only.
 PUBLIC_NAMES = {
+    "FT_EVAL_ROWS", "FT_EVAL_MAX_NEW_TOKENS", "FT_EVAL_TASKS", "FT_EVAL_LIMIT", "FT_EVAL_MAX_REGRESSION", "FT_EVAL_CACHE_DIR",
     "FT_PRESET", "FT_MODEL", "FT_MODEL_REVISION", "FT_TRUST_REMOTE_CODE", "FT_DATASET", "FT_DATASET_CONFIG",
     "FT_DATASET_SPLIT", "FT_DATASET_REVISION", "FT_EVAL_DATASET", "FT_EVAL_FRACTION", "FT_DATA_FORMAT", "FT_BAD_ROWS",
     "FT_LOSS_ON", "FT_MAX_LENGTH", "FT_TRUNCATION", "FT_MAX_STEPS", "FT_LEARNING_RATE", "FT_LR_SCHEDULER",

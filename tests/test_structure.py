@@ -37,7 +37,7 @@ def _name(path: Path) -> str:
 # The folders of trainer/ in the order their imports point: a folder imports only from folders before it (and itself).
 # launch/ and core/ run before torch is imported; serving/ is copied into the saved model and imports nothing of fulltune;
 # telemetry/ (what the cluster sees) is fed by the job and the progress callback and imports only core/, and no torch.
-LAYERS = {"core": 0, "launch": 1, "data": 1, "telemetry": 1, "model": 2, "checkpointing": 3, "tracking": 4}
+LAYERS = {"core": 0, "launch": 1, "data": 1, "telemetry": 1, "model": 2, "checkpointing": 3, "tracking": 4, "evaluation": 5}
 
 
 def test_the_folders_imports_point_one_way():

@@ -191,10 +191,12 @@ def test_progress_is_the_whole_jobs_by_stage_and_100_only_when_it_is_done():
     assert telemetry.snapshot().percentage() == 90 and telemetry.snapshot().seconds_since_last_step(time.monotonic()) is None
     telemetry.stage("saving")
     assert telemetry.snapshot().percentage() == 90
+    telemetry.stage("evaluating")
+    assert telemetry.snapshot().percentage() == 93
     telemetry.stage("registering")
-    assert telemetry.snapshot().percentage() == 95
+    assert telemetry.snapshot().percentage() == 97
     telemetry.close(3)  # registration failed: not done
-    assert telemetry.snapshot().percentage() == 95
+    assert telemetry.snapshot().percentage() == 97
     telemetry.close(0)
     assert telemetry.snapshot().percentage() == 100
 

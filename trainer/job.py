@@ -1,4 +1,4 @@
-"""The job, top to bottom: plan, data, model, train (resuming), save, register.
+"""The job, top to bottom: plan, data, model, train (resuming), save, evaluate, register.
 
     entrypoint.py (settings parsed once) -> launch/launcher.py (accelerate) -> python -m trainer -> main() -> run(config)
 """
@@ -24,6 +24,8 @@ from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
 from trainer.data import data_report, demo
 from trainer.data import prepare as data
+from trainer.evaluation import stage as evaluation
+from trainer.evaluation import tasks as eval_tasks
 from trainer.launch import launcher
 from trainer.model import attention, fetch, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
@@ -51,17 +53,19 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
         return
     tracking_server.check_reachable()  # seconds, before anything is downloaded, when MLFLOW_TRACKING_URI names a server that does not answer
     tracker.warm_up()  # MLflow imported and the URI checked in the background, while the plan and the data are checked
-    if status.final_model:  # trained and saved by an earlier attempt whose registration, tracking (exit 3) or delivery (exit 8) failed
+    if status.final_model:  # saved by an earlier attempt stopped while evaluating (75), or whose gate (9), registration (3) or delivery (8) failed
         if ranks.is_main():
-            telemetry.stage("registering")
             with tracker:
-                _register(config, volume, status.metadata, tracker)
+                refused = _evaluate_and_register(config, volume, status.metadata, tracker, telemetry, stopper)
             copies.deliver(config, volume, None)
+            if refused:
+                raise refused
         return
 
     if settings.preset == "demo":
         ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
     locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
+    benchmarks = ranks.main_first(lambda: eval_tasks.resolve(settings.eval_tasks) if ranks.is_main() else None)  # an unknown task: exit 2 now
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     hub_push.check_token(settings)  # FT_PUSH_TO_HUB without a token: exit 2 now, not after training
     # From config.json alone: exit 2 before weights or data are downloaded.  Rank 0 first: it alone fetches config.json from the hub.
@@ -72,6 +76,8 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
     job_config.check_fingerprint(config)
+    if ranks.is_main():
+        evaluation.keep_rows(config, prepared.eval, tokenizer)  # the rows the evaluation stage scores, chosen before training
     mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint()) if mirror else None
     if mirroring:
         mirroring.committed()  # the fingerprint, and what an earlier attempt committed but did not upload
@@ -90,21 +96,56 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
             raise
         telemetry.stage("saving")
         metadata = save_final(config, trainer, tokenizer, volume, tracker)
+        state = trainer.state
+        free_training_memory(trainer)  # the GPU's memory back before the evaluation stage loads its models
+        del trainer
+        refused = None
         if ranks.is_main():
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
             if settings.push_to_hub:
-                hub_push.write_card(config, volume, metadata, tracker, trainer.state)
+                hub_push.write_card(config, volume, metadata, tracker, state)
             if mirroring:
-                mirroring.final()  # uploaded while the model is registered
-            if settings.registered_model:
-                telemetry.stage("registering")
+                mirroring.final()  # uploaded while the model is evaluated and registered
             try:
-                _register(config, volume, metadata, tracker)
+                refused = _evaluate_and_register(config, volume, metadata, tracker, telemetry, stopper, benchmarks)
             finally:
-                run_report.finished()  # also after a failed registration (exit 3): it says where the model is
+                run_report.finished(refused=str(refused) if refused else None)  # also after a failed registration (exit 3): it says where the model is
                 if line := scoring.said_at_the_end(volume.eval_samples, volume.report):
                     print(line, flush=True)
     copies.deliver(config, volume, mirroring)  # FT_MIRROR_URL holds it all (exit 8 past FT_MIRROR_WAIT_SECONDS), then FT_PUSH_TO_HUB
+    if refused:
+        raise refused  # exit 9, once the copies hold the saved model too
+
+
+def _evaluate_and_register(config: Config, volume: Volume, metadata: dict[str, str], tracker: Tracker, telemetry: Telemetry,
+                           stopper: preemption.StopOnSignal, benchmarks: eval_tasks.Benchmarks | None = None) -> Exception | None:
+    """Rank 0, the final model saved: the evaluation stage (resumed where an earlier attempt stopped), its gate, then the
+    registration; return the gate's refusal (RegressionFound, exit 9) instead of registering."""
+    stopper.nothing_left_to_save("during the evaluation stage: the scores done are kept on the volume; a retry evaluates the rest, without training")
+    summary = evaluation.run(config, tracker, telemetry, benchmarks)
+    if refused := evaluation.gate(config, summary):
+        print(f"fulltune: not registered: {refused}", flush=True)
+        return refused
+    if config.settings.registered_model:
+        telemetry.stage("registering")
+    _register(config, volume, metadata, tracker, summary)
+    return None
+
+
+def free_training_memory(trainer: Any) -> None:
+    """Drop every reference the trainer and accelerate hold to the training model, its gradients and the optimizer
+    state (on Qwen3-4B 48 GB of the GPU), so that the evaluation's models load into an empty device."""
+    import gc
+
+    trainer.accelerator.free_memory()  # accelerate's lists of prepared models, optimizers and schedulers
+    for name in ("model", "model_wrapped", "optimizer", "lr_scheduler"):
+        if hasattr(trainer, name):
+            setattr(trainer, name, None)
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared, steps: schedule.Schedule) -> report.ReportFacts:
@@ -275,10 +316,13 @@ def _whole_model(trainer: Any, volume: Volume) -> Any:
     return AutoModelForCausalLM.from_pretrained(gathered) if ranks.is_main() else None
 
 
-def _register(config: Config, volume: Volume, metadata: dict[str, str], tracker: Tracker) -> None:
+def _register(config: Config, volume: Volume, metadata: dict[str, str], tracker: Tracker, summary: dict | None = None) -> None:
+    """The final model as a new version of FT_REGISTERED_MODEL, its evaluation (when there was one) in its tags and description."""
     if not config.settings.registered_model or volume.status().registered:  # registered by an attempt whose run could not be finished
         return
-    version = tracker.register(volume.final, metadata)
+    from trainer.evaluation import compare
+
+    version = tracker.register(volume.final, metadata | (compare.tags(summary) if summary else {}), compare.description(summary) if summary else "")
     volume.mark_registered(version)
     print(f"fulltune: registered {version}", flush=True)
 

@@ -35,6 +35,8 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        (/proc/self/status VmRSS and VmHWM, the peak reset first through /proc/self/clear_refs)
 
 
+  FAULT_HOLD_EVALUATION=<file>:2       once the evaluation stage has written its 2nd unit's result, write <file> and sleep 60 s
+                                       (a stop that lands during the stage)
   FAULT_RECORD_EXIT=<file>             each training process appends to <file>, as it exits, a JSON line: its rank, the time, whether
                                        its process group was still initialised, whether the final model existed, and the variables
                                        of RECORDED_ENV it ran with
@@ -343,7 +345,22 @@ def _model_faults(module):
         _nan_loss_on_rank(module)
 
 
+def _hold_evaluation(module):
+    marker, _, after = os.environ["FAULT_HOLD_EVALUATION"].rpartition(":")
+    original = module._progress
+
+    def progress(model, unit, result, finished, total, spent):
+        original(model, unit, result, finished, total, spent)
+        if finished == int(after):
+            with open(marker, "w") as f:
+                f.write(f"{model} {unit}\n")
+            time.sleep(60)
+
+    module._progress = progress
+
+
 PATCHES = {  # module -> (variables, patch)
+    "trainer.evaluation.stage": (("FAULT_HOLD_EVALUATION",), _hold_evaluation),
     "trainer.checkpointing.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HANG_AT_STEP", "FAULT_HOLD_AFTER_STOP_COMMIT"),
                                          _preemption_faults),
     "trainer.checkpointing.manifest": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),

@@ -29,6 +29,7 @@ class StopOnSignal(TrainerCallback):
         self.requested_at: float | None = None
         self.deadline: threading.Timer | None = None
         self.stop_step: int | None = None  # the step whose save is the stop's checkpoint (seen at its step end)
+        self.leave_at_once = ""  # why a signal needs no save (nothing_left_to_save)
         self.committed = False  # the stop's checkpoint counts: what is left (the run report, MLflow) may be cut short
         self.any_rank = ranks.AnyRank()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -38,8 +39,14 @@ class StopOnSignal(TrainerCallback):
     def requested(self) -> bool:
         return self.requested_at is not None
 
+    def nothing_left_to_save(self, why: str) -> None:
+        """From here on everything is on the volume as it is done (the evaluation stage): a signal ends the job at once, 75."""
+        self.leave_at_once = why
+
     def _on_signal(self, signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
+        if self.leave_at_once:
+            self._leave(Preempted.exit_code, f"{name} received {self.leave_at_once}")
         if self.committed:
             self._leave(Preempted.exit_code, f"second {name} after the checkpoint was committed; a retry resumes from it")
         if self.requested:

@@ -49,8 +49,12 @@ EXIT_CODES = {
        "not take the final model or the last checkpoints within FT_MIRROR_WAIT_SECONDS (the bucket did not answer or refused them), or "
        "FT_PUSH_TO_HUB could not push it to the Hugging Face hub. The message names what is missing and why. A retry skips training: it only "
        "uploads or pushes what is missing.",
+    9: "The model was trained and saved, and evaluated, but a benchmark of FT_EVAL_TASKS fell by more than FT_EVAL_MAX_REGRESSION against "
+       "the base model, so it was not registered (no new version), no traceback; the message names each task, metric and drop. A retry with "
+       "the same settings exits 9 again without training or evaluating; with FT_EVAL_MAX_REGRESSION=0 (or larger) it registers the saved model.",
     75: "Stopped by SIGTERM/SIGINT after committing a checkpoint (a second signal after the commit ends the job at once, still 75). A retry resumes "
-        "from it. Also a job on several nodes where one process ran out of GPU memory: the next plan down is recorded on the volume and every node "
+        "from it; during the evaluation stage the scores done are kept and the retry evaluates the rest (no training). "
+        "Also a job on several nodes where one process ran out of GPU memory: the next plan down is recorded on the volume and every node "
         "ends (on one node the job restarts its processes there by itself); the retry starts at that plan from the last committed checkpoint.",
     76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while "
         "the training process was starting. A retry resumes from the previous committed checkpoint.",
@@ -72,6 +76,7 @@ EXIT_SUMMARY = {
     6: ("volume full", "after freeing space: resumes"),
     7: ("another job holds this volume's lease", "once that job has ended"),
     8: ("trained and saved; not yet in FT_MIRROR_URL or on the hub (FT_PUSH_TO_HUB)", "yes: uploads only"),
+    9: ("trained and saved; a benchmark fell by more than FT_EVAL_MAX_REGRESSION: not registered", "no: FT_EVAL_MAX_REGRESSION=0 registers it"),
     75: ("stopped by a signal after committing a checkpoint; or a step-down across nodes", "yes: resumes"),
     76: ("stopped before the stop's checkpoint was committed", "yes: resumes from the one before"),
     77: ("stuck: no optimizer step for FT_STUCK_AFTER_SECONDS (FT_STUCK_EXIT=true)", "yes: resumes"),
@@ -192,6 +197,13 @@ class HubPushFailed(FulltuneError):
     """The model is on the volume (and in the mirror), but pushing it to FT_PUSH_TO_HUB failed: a retry only pushes."""
 
     exit_code = 8
+    show_traceback = False
+
+
+class RegressionFound(FulltuneError):
+    """The evaluation gate (FT_EVAL_MAX_REGRESSION): the fine-tuned model scored worse than the base; saved, not registered."""
+
+    exit_code = 9
     show_traceback = False
 
 

@@ -132,3 +132,15 @@ def _nearest(path: str) -> str:
     names = sorted(n for n in os.listdir(parent) if not n.startswith("."))
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     return f"; {parent} holds {shown or 'nothing'}"
+
+
+def eval_task_entries(spec: str) -> tuple[list[str], list[str]]:
+    """FT_EVAL_TASKS as (lm-eval task names, folders of task YAMLs): an entry shaped like a path, or a folder that exists,
+    is a folder (rule 1 and 2 above); anything else is a task name (`arc_easy`, `mmlu_abstract_algebra`)."""
+    names, folders = [], []
+    for entry in (part.strip() for part in spec.split(",")):
+        if not entry:
+            continue
+        local = os.path.isdir(entry) or entry.startswith(PATH_PREFIXES) or "/" in entry or entry in (".", "..")
+        (folders if local else names).append(real_path(entry) if local else entry)
+    return names, folders

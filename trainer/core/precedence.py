@@ -49,6 +49,10 @@ def preset_defaults(preset: str, output_dir: str) -> dict[str, str]:
         "FT_REGISTERED_MODEL": "demo.default.tiny_qwen3_assistant",
         "FT_EVAL_SAMPLES": "8",
         "FT_EVAL_SAMPLE_TOKENS": "16",  # the longest demo answer is 13 tokens with its end-of-turn token
+        # After training: the demo's own benchmark (held-out lists, written with the demo) and 24 of its validation rows
+        "FT_EVAL_TASKS": os.path.join(demo, "eval-tasks"),
+        "FT_EVAL_ROWS": "24",
+        "FT_EVAL_MAX_NEW_TOKENS": "16",
     }
 
 

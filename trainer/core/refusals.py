@@ -6,10 +6,12 @@ settings.py's `load` gathers these with environs' own per-variable errors into o
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 from trainer.core.settings import BY_ENV_NAME, MAX_SEQUENCES_PER_STEP, SECRET_NAME
+from trainer.core.volume import Volume
 
 
 def cross_checks(values: dict[str, Any], invalid: set[str] | frozenset[str] = frozenset()) -> dict[str, str]:
@@ -40,9 +42,30 @@ def cross_checks(values: dict[str, Any], invalid: set[str] | frozenset[str] = fr
     if values["metrics_port"] and values["metrics_port"] == values["master_port"]:
         problems["FT_METRICS_PORT"] = f"must differ from FT_MASTER_PORT={values['master_port']}, where node 0 holds the processes' rendezvous"
     problems.update(_object_store_urls(values))
+    problems.update(_eval_tasks(values))
     name = values["registered_model"]
     if parsed("registered_model", "model") and name and not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,2}", name):
         problems["FT_REGISTERED_MODEL"] = "must be `model` or `catalog.schema.model` (letters, digits, _ and -)"
+    return problems
+
+
+def _eval_tasks(values: dict[str, Any]) -> dict[str, str]:
+    """FT_EVAL_TASKS' folders exist and hold task YAMLs (its task names are checked against lm-eval's index by the
+    training process, trainer/evaluation/tasks.py); the gate has benchmarks to gate on."""
+    from trainer.core import locations
+
+    problems = {}
+    _, folders = locations.eval_task_entries(values["eval_tasks"])
+    demo = os.path.realpath(Volume(values["output_dir"]).demo) if values["preset"] == "demo" else None
+    for folder in folders:
+        if demo and folder.startswith(demo + os.sep):
+            continue  # the demo's own task, written with the demo when the job starts (trainer/data/demo.py)
+        if not os.path.isdir(folder):
+            problems["FT_EVAL_TASKS"] = f"{folder} is not a folder (a folder of lm-eval task YAMLs, or task names such as arc_easy)"
+        elif not any(name.endswith((".yaml", ".yml")) for _, _, files in os.walk(folder) for name in files):
+            problems["FT_EVAL_TASKS"] = f"{folder} holds no task YAML (*.yaml): lm-eval's task format, see docs/evaluation.md#a-task-of-ones-own"
+    if values["eval_max_regression"] and not values["eval_tasks"].strip():
+        problems["FT_EVAL_MAX_REGRESSION"] = "gates on benchmarks: set FT_EVAL_TASKS too (or FT_EVAL_MAX_REGRESSION=0)"
     return problems
 
 

@@ -128,6 +128,23 @@ class Settings:
     eval_sample_tokens: int = setting(128, "Most new tokens per sample answer (an answer also ends at the end-of-turn token).", minimum=1)
     logging_steps: int = setting(10, "Log loss, learning rate and throughput every N optimizer steps.", minimum=1)
     output_dir: str = setting("/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.")
+    # -- After training: did it help? (trainer/evaluation/) --------------------------------------
+    eval_rows: int = setting(64, "Held-out validation rows that the base and the fine-tuned model each answer after training (greedy, at most "
+                                 "`FT_EVAL_MAX_NEW_TOKENS`), scored against the rows' own replies by exact match and chrF; 0 = none "
+                                 "([evaluation](evaluation.md)).", minimum=0, group="After training: evaluation")
+    eval_max_new_tokens: int = setting(256, "Most new tokens per answer of the `FT_EVAL_ROWS` score (an answer also ends at the end-of-turn token).",
+                                       minimum=1)
+    eval_tasks: str = setting("", "lm-evaluation-harness benchmarks that the base and the fine-tuned model are both scored on after training: "
+                                  "comma-separated task names (`arc_easy,hellaswag`) and/or folders of task YAMLs of one's own (every task in "
+                                  "them); empty = none ([a cheap forgetting check](evaluation.md#a-cheap-forgetting-check)).")
+    eval_limit: int = setting(0, "Score each benchmark task on its first N samples only (a cheap check, labelled `limit N` wherever the "
+                                 "numbers are shown); 0 = every sample.", minimum=0)
+    eval_max_regression: float = setting(0.0, "The gate: when a benchmark's score falls by more than this against the base model "
+                                              "(0.02 = two points of accuracy), the model is saved but not registered, and the job exits 9; "
+                                              "0 = no gate.", minimum=0.0)
+    eval_cache_dir: str = setting("", "Where the base model's benchmark scores are kept, one file per model, revision, task and limit, so a retry or "
+                                      "the next job on the same base does not compute them again; empty = `FT_OUTPUT_DIR/.fulltune/base-scores`. "
+                                      "A folder several jobs mount shares them.")
     # -- Object storage and the hub ------------------------------------------------------------
     mirror_url: str = setting("", "An object-store folder (`s3://`, `gs://`, `az://`) that receives each committed checkpoint in the background "
                                   "and the final model; a job on an empty volume resumes from it. Empty = none ([object storage](object-storage.md)).",
@@ -310,6 +327,9 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     for name, data in (("model", False), ("dataset", True), ("eval_dataset", True)):
         values[name] = locations.normalised(values[name], data=data)
     values["chat_template"] = locations.real_path(values["chat_template"])  # a file, always local
+    names, folders = locations.eval_task_entries(values["eval_tasks"])
+    values["eval_tasks"] = ",".join(names + folders)
+    values["eval_cache_dir"] = locations.real_path(values["eval_cache_dir"])
     if "FT_REGISTERED_MODEL" not in layered:  # the seed's name for the seed's model only: a 0.4M-parameter model is no qwen3_4b_assistant
         values["registered_model"] = locations.registered_name(values["model"])
     problems: dict[str, str] = {}

@@ -72,6 +72,30 @@ class Volume:
         return self._path("report.html")
 
     @property
+    def evaluation(self) -> str:
+        """The evaluation stage's results, a file per model and unit, and its summary (trainer/evaluation/stage.py)."""
+        return self._path("evaluation")
+
+    def evaluation_unit(self, model: str, unit: str) -> str:
+        """One unit's result: `base-own_task.json`, `tuned-arc_easy.json`, ..."""
+        return self._path("evaluation", f"{model}-{unit}.json")
+
+    @property
+    def evaluation_rows(self) -> str:
+        """The FT_EVAL_ROWS validation rows the stage scores, chosen before training."""
+        return self._path("evaluation", "rows.json")
+
+    @property
+    def evaluation_summary(self) -> str:
+        """Base against fine-tuned, once the stage is done: the table the log, MLflow, the registry and the report show."""
+        return self._path("evaluation", "summary.json")
+
+    @property
+    def base_scores(self) -> str:
+        """The base model's benchmark scores when FT_EVAL_CACHE_DIR is empty (trainer/evaluation/base_scores.py)."""
+        return self._path(".fulltune", "base-scores")
+
+    @property
     def demo(self) -> str:
         """FT_PRESET=demo: the tiny model, tokenizer and data."""
         return self._path("demo")

@@ -96,10 +96,60 @@ def build_model(vocab_size: int, pad_token_id: int, eos_token_id: int):
     return Qwen3ForCausalLM(config)
 
 
+TASK = "fulltune_demo_reverse"  # the demo's benchmark (FT_EVAL_TASKS of the preset): an lm-eval task over local rows
+
+TASK_YAML = """# The demo's benchmark, written with the demo (trainer/data/demo.py): which of three orders of a held-out
+# list is its reversal, by the model's log-likelihood of each.  A task of one's own looks the same (docs/evaluation.md).
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {rows}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{prompt}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def task_rows(n: int = 48, seed: int = 7) -> list[dict]:
+    """The benchmark's documents: held-out prompts, each with its reversal, the list as given and another order."""
+    rng, rows = random.Random(seed), []
+    for prompt, answer in held_out(n, seed=30_011):
+        words = prompt.removeprefix("Reverse: ").split()
+        shuffled = words[:]
+        while " ".join(shuffled) in (answer, " ".join(words)):
+            rng.shuffle(shuffled)
+        choices = [answer, " ".join(words), " ".join(shuffled)]
+        rng.shuffle(choices)
+        rows.append({"prompt": prompt, "choices": choices, "answer": choices.index(answer)})
+    return rows
+
+
+def write_eval_task(folder: str) -> None:
+    """The benchmark's YAML and rows; written at every start, because the YAML names its rows by absolute path and a
+    volume may be mounted elsewhere next time."""
+    os.makedirs(folder, exist_ok=True)
+    rows = os.path.join(folder, "rows.jsonl")
+    with open(rows, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in task_rows())
+    with open(os.path.join(folder, f"{TASK}.yaml"), "w", encoding="utf-8") as f:
+        f.write(TASK_YAML.format(task=TASK, rows=json.dumps(os.path.abspath(rows))))
+
+
 def ensure_demo(output_dir: str, rows: int = ROWS) -> str:
     """Build the volume's demo folder once (model, tokenizer, data/train.jsonl); later calls reuse it."""
     demo = Volume(output_dir).demo
     if os.path.exists(os.path.join(demo, "COMPLETE")):
+        write_eval_task(os.path.join(demo, "eval-tasks"))
         return demo
     data = conversations(rows, seed=SEED)
     texts = [m["content"] for row in data for m in row["messages"]]
@@ -113,4 +163,5 @@ def ensure_demo(output_dir: str, rows: int = ROWS) -> str:
             f.writelines(json.dumps(row) + "\n" for row in data)
         with open(os.path.join(partial, "COMPLETE"), "w") as f:
             f.write("ok\n")
+    write_eval_task(os.path.join(demo, "eval-tasks"))
     return demo

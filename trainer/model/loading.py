@@ -71,14 +71,14 @@ def chat_template(path: str) -> str:
     return text
 
 
-def load_model(settings: Settings, tokenizer: Any, precision: Precision) -> Any:
+def load_model(settings: Settings, tokenizer: Any, precision: Precision, dtype: Any = None) -> Any:
     """Load the weights in the precision's weight dtype (fp32 master weights, or bf16 with FT_PRECISION=bf16-sr;
-    see trainer/core/config.py) and fit the embeddings to the tokenizer."""
+    see trainer/core/config.py), or `dtype` (the evaluation's serving precision), and fit the embeddings to the tokenizer."""
     from transformers import AutoModelForCausalLM
 
     # safetensors only, unless FT_ALLOW_PICKLE_WEIGHTS (trainer/model/trust.py checked the files in the preflight)
     use_safetensors = None if settings.allow_pickle_weights else True
-    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=precision.dtype(), use_safetensors=use_safetensors, **hub_kwargs(settings))
+    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype or precision.dtype(), use_safetensors=use_safetensors, **hub_kwargs(settings))
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # ChatML tokens were added
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
     model.config.pad_token_id = tokenizer.pad_token_id

@@ -23,7 +23,7 @@ from typing import Any
 
 # Each stage's share of the job's 100 %, in the order they run: the final save and the registration are minutes of an
 # hour-long job (an 8 GB model written, then uploaded), and a stage added after training takes its share from here.
-SHARES = {"training": 90, "saving": 5, "registering": 5}
+SHARES = {"training": 90, "saving": 3, "evaluating": 4, "registering": 3}  # evaluating: two model loads and their scores (trainer/evaluation/)
 REPORTED = (*SHARES, "done")  # the stages the TrainJob hears about: before training the job cannot say how far it is
 
 

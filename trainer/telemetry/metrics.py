@@ -45,7 +45,8 @@ class Collector:
         if now.stage in REPORTED:
             yield GaugeMetricFamily("fulltune_progress_ratio", "The whole job's progress, 0 to 1: the TrainJob's progressPercentage / 100.",
                                     value=now.percentage() / 100)
-        stage = GaugeMetricFamily("fulltune_stage", "1 for the stage the job is in: starting, training, saving, registering, done.", labels=["stage"])
+        stage = GaugeMetricFamily("fulltune_stage", "1 for the stage the job is in: starting, training, saving, evaluating, registering, done.",
+                                  labels=["stage"])
         for name in STAGES:
             stage.add_metric([name], 1.0 if now.stage == name else 0.0)
         yield stage

@@ -59,6 +59,8 @@ def render(facts: dict[str, Any]) -> str:
 <script id="chart-data" type="application/json">{chart_data}</script>
 <h2>Memory: plan and measured peak</h2>
 {_memory(plan, measured)}
+<h2>Did the fine-tune help? Base against fine-tuned</h2>
+{_evaluation(facts.get("evaluation"))}
 <h2>Sample answers</h2>
 {_samples(facts["samples"])}
 <h2>{"Final metrics" if facts["final"] else "Latest metrics"}</h2>
@@ -112,6 +114,30 @@ def _memory(plan: dict, measured: float | None) -> str:
         f"<table><tr><th>Planned (GB)</th><th></th></tr>{rows}<tr><th>planned peak</th><th class=n>{plan['peak'] / GB:.3g}</th></tr>"
         f"<tr><th>measured peak</th><th class=n>{_e(shown)}</th></tr></table><p class=note>Measured: {_e(what)}.</p>"
     )
+
+
+def _evaluation(summary: dict | None) -> str:
+    """The evaluation stage's table (trainer/evaluation/): each benchmark and the own-task scores, then its best and worst answers."""
+    if not summary:
+        return "<p>Not evaluated yet (the stage runs after the final model is saved), or nothing to evaluate (FT_EVAL_ROWS=0, FT_EVAL_TASKS empty).</p>"
+    limit = summary.get("limit")
+    note = (f"<p class=note>FT_EVAL_LIMIT={limit}: each task was scored on its first {limit} samples only; the numbers are a cheap "
+            "check, not the benchmark's score.</p>" if limit and summary["benchmarks"] else "")
+    rows = [(f"{r['task']}", r["metric"], r["base"], r["tuned"], r["change"]) for r in summary["benchmarks"]]
+    own = summary.get("own_task") or {}
+    rows += [(f"own task ({own['rows']} validation rows)", m, own["base"][m], v, v - own["base"][m]) for m, v in (own.get("tuned") or {}).items()]
+    body = "".join(f"<tr><td>{_e(t)}</td><td>{_e(m)}</td><td class=n>{b:.4f}</td><td class=n>{a:.4f}</td><td class=n>{c:+.4f}</td></tr>"
+                   for t, m, b, a, c in rows)
+    table = f"<table id=evaluation><tr><th>Task</th><th>Metric</th><th>Base</th><th>Fine-tuned</th><th>Change</th></tr>{body}</table>"
+    examples = ""
+    for kind, shown in (("best", "Best"), ("worst", "Worst")):
+        picked = (own.get("examples") or {}).get(kind) or []
+        if picked:
+            examples += (f"<h3>{shown} own-task answers of the fine-tuned model (chrF)</h3><table><tr><th>Prompt</th><th>Reference</th>"
+                         "<th>Base model</th><th>Fine-tuned</th><th>chrF</th></tr>"
+                         + "".join(f"<tr><td>{_conversation(x['prompt'])}</td><td><pre>{_e(x['reference'])}</pre></td><td><pre>{_e(x['base_answer'])}</pre>"
+                                   f"</td><td><pre>{_e(x['answer'])}</pre></td><td class=n>{x['chrf']:.1f}</td></tr>" for x in picked) + "</table>")
+    return note + table + examples
 
 
 def _samples(rows: list[dict]) -> str:

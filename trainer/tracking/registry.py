@@ -14,7 +14,7 @@ from trainer.tracking.server import gist, redact, server_uris, servers_answer
 FIRST_PAUSE_SECONDS, LONGEST_PAUSE_SECONDS = 5.0, 60.0  # between registration attempts
 
 
-def register(settings: settings_table.Settings, model_dir: str, metadata: dict[str, str], run_id: str, end_by: float) -> str:
+def register(settings: settings_table.Settings, model_dir: str, metadata: dict[str, str], run_id: str, end_by: float, description: str = "") -> str:
     """Register the saved MLflow model under FT_REGISTERED_MODEL, linked to the run; return 'name/version'.
 
     Tried until it succeeds, fails for a reason a retry cannot change, or `end_by` (time.monotonic(): the end of
@@ -27,7 +27,7 @@ def register(settings: settings_table.Settings, model_dir: str, metadata: dict[s
         try:
             if not servers_answer():
                 raise TrackingUnreachable(f"no answer from {', '.join(redact(u) for u in server_uris())}")
-            return _register_once(settings, model_dir, metadata, run_id)
+            return _register_once(settings, model_dir, metadata, run_id, description)
         except Exception as error:  # noqa: BLE001 - sorted below: what a retry may fix, and what it cannot
             why, passing = f"{type(error).__name__}: {gist(str(error))}", _may_pass(error)
             if time.monotonic() + pause > end_by or not passing:
@@ -56,7 +56,7 @@ def _may_pass(error: Exception) -> bool:
     return isinstance(error, TrackingUnreachable | requests.ConnectionError | requests.Timeout)
 
 
-def _register_once(settings: settings_table.Settings, model_dir: str, metadata: dict[str, str], run_id: str) -> str:
+def _register_once(settings: settings_table.Settings, model_dir: str, metadata: dict[str, str], run_id: str, description: str = "") -> str:
     """On the embedded store the version points at `model_dir` on the volume (no second copy of the weights).
     With a tracking server the folder is uploaded to the run's artifact store first, because a path on this
     machine's volume means nothing to the server's other clients."""
@@ -76,4 +76,6 @@ def _register_once(settings: settings_table.Settings, model_dir: str, metadata: 
                 raise
         version = client.create_model_version(name, source=os.path.abspath(model_dir), run_id=run_id, tags=metadata)
     client.set_model_version_tag(name, version.version, "task", "llm/v1/chat")
+    if description:  # the evaluation's before/after table (trainer/evaluation/compare.py)
+        client.update_model_version(name, version.version, description=description)
     return f"{name}/{version.version}"

@@ -30,7 +30,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainer.core import ranks
-from trainer.core.files import write_text
+from trainer.core.files import read_json, write_text
 from trainer.core.volume import Volume
 from trainer.tracking.page import CHARTS, chart_png, render, utc
 from trainer.tracking.run import Tracker
@@ -70,9 +70,12 @@ class RunReport(TrainerCallback):
     def stopped(self, step: int) -> None:
         self.write(f"stopped by a signal at step {step} (exit 75): that step's checkpoint is committed and running the job again resumes from it", "stopped")
 
-    def finished(self) -> None:
+    def finished(self, refused: str | None = None) -> None:
+        """`refused`: the evaluation gate's words when it kept the model from the registry (exit 9)."""
         status = self.volume.status()
-        if status.registered:
+        if refused:
+            outcome = f"not registered (exit 9): {refused}"
+        elif status.registered:
             outcome = f"registered as {status.registered}"
         elif not self.job.hyperparameters.get("FT_REGISTERED_MODEL"):
             outcome = "not registered (FT_REGISTERED_MODEL is empty)"
@@ -109,6 +112,7 @@ class RunReport(TrainerCallback):
             "run": self.tracker.facts(),
             "plan": job.plan,
             "samples": read_samples(volume.eval_samples),
+            "evaluation": read_json(volume.evaluation_summary, None),
             "data": job.data_report,
             "where": where,
             "hyperparameters": job.hyperparameters,

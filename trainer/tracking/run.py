@@ -189,7 +189,7 @@ class Tracker:
             self._end_by = time.monotonic() + self.settings.registration_retry_seconds
         return self._end_by
 
-    def register(self, model_dir: str, metadata: dict[str, str]) -> str:
+    def register(self, model_dir: str, metadata: dict[str, str], description: str = "") -> str:
         """Register the saved MLflow model under FT_REGISTERED_MODEL once the run has what is queued for it; return
         'name/version' (trainer/tracking/registry.py retries it)."""
         end_by = self.end_deadline()
@@ -202,7 +202,7 @@ class Tracker:
             outbox = self._outbox
         if outbox is not None:
             outbox.drain(end_by)
-        return registry.register(self.settings, model_dir, metadata, self.run_id, end_by)
+        return registry.register(self.settings, model_dir, metadata, self.run_id, end_by, description)
 
     # -- What goes into the run ---------------------------------------------------------------------
 
