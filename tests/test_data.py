@@ -179,6 +179,56 @@ def test_hub_id_passes_configuration_split_and_revision(tmp_path, monkeypatch):
     assert len(prepared.train) == 6 and len(prepared.eval) == 6
 
 
+@pytest.mark.faults("the hub not answering which splits a dataset has")
+def test_a_hub_that_cannot_say_which_splits_a_dataset_has_is_an_error_not_a_silent_hold_out(tmp_path, monkeypatch):
+    """Only "no such dataset" answers the question; a timeout or a 429 would otherwise hold out 10 % of the training
+    rows in place of the dataset's own test split, and a resume could train on other rows than its checkpoints did."""
+    import datasets
+    from datasets.inspect import SplitsNotFoundError
+
+    from trainer.core.errors import HubUnreachable
+
+    def timed_out(path, config_name=None, **kwargs):
+        try:
+            raise ConnectionError("Read timed out. (read timeout=10)")
+        except ConnectionError as error:  # as datasets wraps it
+            raise SplitsNotFoundError("The split names could not be parsed from the dataset config.") from error
+
+    monkeypatch.setattr(datasets, "get_dataset_split_names", timed_out)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("no rows may be read without the answer"))
+    with pytest.raises(HubUnreachable, match=r"FT_DATASET='org/chats': could not ask the hub which splits it has \(ConnectionError: Read timed out"):
+        prepare(tmp_path, "org/chats")
+    assert HubUnreachable.exit_code == 1  # a retry can help
+
+
+def test_a_dataset_the_hub_does_not_have_is_reported_by_the_read_not_the_split_question(tmp_path, monkeypatch):
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+    from datasets.inspect import SplitsNotFoundError
+
+    from trainer.data import sources
+
+    def missing(path, config_name=None, **kwargs):
+        try:
+            raise DatasetNotFoundError(f"Dataset '{path}' doesn't exist on the Hub or cannot be accessed.")
+        except DatasetNotFoundError as error:
+            raise SplitsNotFoundError("The split names could not be parsed from the dataset config.") from error
+
+    monkeypatch.setattr(datasets, "get_dataset_split_names", missing)
+    assert sources.own_test_split("org/nothing", config(tmp_path, "org/nothing")) is None
+
+
+def test_a_resume_that_would_validate_on_other_rows_exits_2_naming_the_evaluation_data(tmp_path):
+    from trainer.core import config as job_config
+    from trainer.core.errors import ConfigError
+
+    built = job_config.build(config(tmp_path, "org/chats"), cuda=False, bf16_supported=False)
+    job_config.check_fingerprint(built, {"evaluation data": "org/chats [test]"})
+    with pytest.raises(ConfigError, match=r"evaluation data: 'org/chats \[test\]' on the volume, 'FT_EVAL_FRACTION=0.1 of org/chats, seed 42' now"):
+        job_config.check_fingerprint(built, {"evaluation data": "FT_EVAL_FRACTION=0.1 of org/chats, seed 42"})
+    assert job_config.fingerprint_differences(built) == []  # entrypoint.py, before the data is resolved, does not compare it
+
+
 @pytest.mark.faults("a dataset path that does not exist")
 def test_missing_local_file_exits_2(tmp_path):
     with pytest.raises(DataError, match="no such local file or folder"):

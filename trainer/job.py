@@ -75,7 +75,7 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     fetch.model_files(settings)  # a hub model's files, downloaded by rank 0 before any other process reads them
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
-    job_config.check_fingerprint(config)
+    job_config.check_fingerprint(config, {"evaluation data": prepared.report.get("eval_source", "")})  # a resume validates on the same rows
     if ranks.is_main():
         evaluation.keep_rows(config, prepared.eval, tokenizer)  # the rows the evaluation stage scores, chosen before training
     mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint()) if mirror else None

@@ -201,18 +201,22 @@ def handed_over(environ: Mapping[str, str] | None = None) -> Config:
     return config
 
 
-def check_fingerprint(config: Config) -> None:
+RESOLVED = ("evaluation data",)  # what the training process resolves from the settings and the data (not entrypoint.py)
+
+
+def check_fingerprint(config: Config, resolved: dict[str, str] | None = None) -> None:
     """Refuse (exit 2) to resume checkpoints written for a different computation, unless allowed.
 
     The fingerprint holds every setting whose `changes` flag is set (trainer/core/settings.py), so a setting
-    that changes the result cannot be forgotten here."""
+    that changes the result cannot be forgotten here, and what the settings resolved to (`resolved`, RESOLVED: the
+    validation rows' source, which a dataset's splits decide), so that a resume cannot train on another split."""
     settings = config.settings
     path = Volume(settings.output_dir).fingerprint_file
     if read_json(path) is not None:
-        if differences := _refuse_other_configuration(config):
+        if differences := _refuse_other_configuration(config, resolved=resolved):
             print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming despite " + "; ".join(differences), flush=True)
     if ranks.is_main():
-        write_json(path, config.fingerprint())
+        write_json(path, config.fingerprint() | (resolved or {}))
 
 
 def check_volume(config: Config) -> None:
@@ -227,11 +231,12 @@ def check_volume(config: Config) -> None:
         _refuse_other_configuration(config)
 
 
-def _refuse_other_configuration(config: Config, recorded: dict[str, str] | None = None, where: str | None = None) -> list[str]:
+def _refuse_other_configuration(config: Config, recorded: dict[str, str] | None = None, where: str | None = None,
+                                resolved: dict[str, str] | None = None) -> list[str]:
     """Exit 2 naming each setting that differs from the volume's (or from `recorded`, the fingerprint kept `where`: the
     mirror, trainer/checkpointing/mirror.py); the differences FT_ALLOW_CONFIG_CHANGE=true allows."""
     settings = config.settings
-    if (differences := fingerprint_differences(config, recorded)) and not settings.allow_config_change:
+    if (differences := fingerprint_differences(config, recorded, resolved)) and not settings.allow_config_change:
         raise ConfigError(
             f"the checkpoints in {where or settings.output_dir} belong to a different configuration ("
             + "; ".join(differences)
@@ -245,13 +250,15 @@ def check_recorded(config: Config, recorded: dict[str, str], where: str) -> list
     return _refuse_other_configuration(config, recorded, where)
 
 
-def fingerprint_differences(config: Config, recorded: dict[str, str] | None = None) -> list[str]:
+def fingerprint_differences(config: Config, recorded: dict[str, str] | None = None, resolved: dict[str, str] | None = None) -> list[str]:
     """Each setting that changes the result and differs from what the volume's checkpoints (or final model, or `recorded`:
-    a mirror's) were made with."""
-    current, on = config.fingerprint(), "on the volume" if recorded is None else "in the mirror"
+    a mirror's) were made with; what the settings resolved to (RESOLVED) is compared when the caller knows it (`resolved`)."""
+    current, on = config.fingerprint() | (resolved or {}), "on the volume" if recorded is None else "in the mirror"
     recorded = recorded if recorded is not None else read_json(Volume(config.settings.output_dir).fingerprint_file) or {}
+    # compared only where both sides know it: entrypoint.py does not, nor a volume or data cache of an earlier version
+    unknown = {k for k in RESOLVED if not current.get(k) or k not in recorded}
     return [f"{k}: {recorded.get(k)!r} {on}, {current.get(k)!r} now"
-            for k in {**recorded, **current} if recorded and recorded.get(k) != current.get(k)]
+            for k in {**recorded, **current} if recorded and k not in unknown and recorded.get(k) != current.get(k)]
 
 
 def check_finished_job(config: Config) -> None:

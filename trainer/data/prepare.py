@@ -96,6 +96,8 @@ def prepare(settings: Settings, tokenizer: Any) -> Prepared:
     if eval_set is not None and len(eval_set) == 0:
         data_report.fail(settings, report, f"{eval_source.name}: no validation rows left")
     report["rows"] = {"train": len(train_set), "eval": len(eval_set) if eval_set is not None else 0}
+    report["eval_source"] = eval_source.name if eval_source else (f"FT_EVAL_FRACTION={settings.eval_fraction:g} of {train_source.name}, seed "
+                                                                  f"{settings.seed}" if eval_set is not None else "none")
     report["eval_repeats_train"] = _repeated(train_set, eval_set)
     if report["eval_repeats_train"]:
         print(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainer.core import locations, objectstore
-from trainer.core.errors import ConfigError, DataError
+from trainer.core.errors import ConfigError, DataError, HubUnreachable
 from trainer.core.settings import Settings
 
 READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -58,9 +58,34 @@ def own_test_split(spec: str, settings: Settings) -> str | None:
 
     try:
         names = datasets.get_dataset_split_names(spec, settings.dataset_config or None, revision=settings.dataset_revision or None)
-    except Exception:  # noqa: BLE001 - open_source() reports why the dataset cannot be read
-        return None
+    except Exception as error:  # noqa: BLE001 - datasets wraps every failure in SplitsNotFoundError: its cause says which it was
+        if _not_found(error):
+            return None  # no such dataset: open_source() says so, with the folder it looked in
+        raise HubUnreachable(
+            f"FT_DATASET={spec!r}: could not ask the hub which splits it has ({_deepest(error)}). Without the answer the job cannot tell "
+            "whether to validate on its `test` split or to hold out FT_EVAL_FRACTION of the training rows, and guessing would change the data "
+            "it trains on. A retry asks again; with FT_EVAL_DATASET set (or FT_EVAL_FRACTION=0) the question is not asked."
+        ) from error
     return "test" if "test" in names else None
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _not_found(error: BaseException) -> bool:
+    """The dataset (or its configuration) does not exist: the one failure that answers the question."""
+    from datasets.exceptions import DatasetNotFoundError
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    return any(isinstance(cause, DatasetNotFoundError | RepositoryNotFoundError | RevisionNotFoundError) for cause in _causes(error))
+
+
+def _deepest(error: BaseException) -> str:
+    root = list(_causes(error))[-1]
+    return f"{type(root).__name__}: {' '.join(str(root).split())[:200]}"
 
 
 def open_source(spec: str, settings: Settings, variable: str, split: str | None = None) -> Source:
