@@ -1,0 +1,85 @@
+"""Canaries: each library internal fulltune relies on (docs/architecture.md, "Library internals that stay") is still
+there with the parameters fulltune passes, and the checkpoint save still goes through the job's background path.
+
+A renamed private method would not raise: transformers would call its own new method and skip the override, and
+saves would silently become synchronous and uncommitted.  Each check here fails first, naming the internal.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+# (where, name, the parameters fulltune calls it with or overrides it with)
+TRAINER_METHODS = [
+    ("_save_checkpoint", ["model", "trial"]),  # model/sharding.py overrides it: the save taken over
+    ("_load_best_model", []),  # overridden: waits for the save in flight
+    ("_build_accelerator_args", []),  # overridden (**kwargs): DDP's gradient_as_bucket_view
+    ("create_accelerator_and_postprocess", []),  # overridden under FSDP on CPU processes
+    ("_get_output_dir", ["trial"]),  # checkpointing/saving.py calls these, as transformers' own _save_checkpoint does
+    ("_save_optimizer_and_scheduler", ["output_dir"]),
+    ("_save_scaler", ["output_dir"]),
+    ("_save_rng_state", ["output_dir"]),
+    ("_save", ["output_dir", "state_dict"]),  # and job.py, for the model gathered from its FSDP shards
+    ("store_flos", []),
+]
+
+
+@pytest.mark.parametrize(("name", "parameters"), TRAINER_METHODS, ids=[name for name, _ in TRAINER_METHODS])
+def test_the_trainer_internals_fulltune_overrides_or_calls_are_still_there(name, parameters):
+    from transformers import Trainer
+
+    method = getattr(Trainer, name, None)
+    assert callable(method), f"transformers' Trainer.{name} is gone: see docs/architecture.md, library internals"
+    accepted = inspect.signature(method).parameters
+    assert [p for p in parameters if p not in accepted] == [], f"Trainer.{name} no longer takes {parameters}"
+
+
+def test_the_accelerate_and_environs_internals_are_still_there():
+    from accelerate import ParallelismConfig, PartialState
+    from environs import Env
+
+    assert isinstance(PartialState._shared_state, dict)  # model/sharding.py: FSDP on CPU processes
+    assert callable(ParallelismConfig._validate_accelerator)
+    assert "env_key" in inspect.signature(Env._get_value).parameters  # core/precedence.py: parsing a mapping
+
+
+def test_trls_collator_is_importable_where_fulltune_imports_it():
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # model/recipe.py (TRL does not export it)
+
+    assert "padding_free" in inspect.signature(DataCollatorForLanguageModeling).parameters
+
+
+def test_a_checkpoint_save_goes_through_the_jobs_background_path_and_never_through_transformers_own(demo_assets, tmp_path, monkeypatch):
+    from transformers import Trainer
+
+    from trainer import job
+    from trainer.core import config as job_config
+    from trainer.core import settings as settings_table
+    from trainer.data import prepare as data
+    from trainer.model import loading, memory
+
+    def transformers_own(*args, **kwargs):
+        raise AssertionError("transformers' own _save_checkpoint ran: the job's background save was bypassed")
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", transformers_own)
+    rows = tmp_path / "rows.jsonl"
+    from trainer.data import demo
+
+    rows.write_text("".join(json.dumps(row) + "\n" for row in demo.conversations(16, seed=3)))
+    out = tmp_path / "volume"
+    env = {"FT_MODEL": str(demo_assets / "model"), "FT_DATASET": str(rows), "FT_OUTPUT_DIR": str(out), "FT_MAX_STEPS": "2", "FT_EVAL_STEPS": "1",
+           "FT_SAVE_STEPS": "1", "FT_BATCH_SIZE": "2", "FT_GRADIENT_ACCUMULATION_STEPS": "1", "FT_MAX_LENGTH": "64", "FT_EVAL_FRACTION": "0.25",
+           "FT_PLATFORM": "none", "FT_REGISTERED_MODEL": "", "FT_TERMINATION_MESSAGE_PATH": "", "FT_EVAL_SAMPLES": "0"}
+    config = job_config.build(settings_table.load(env), cuda=False, bf16_supported=False)
+    tokenizer = loading.load_tokenizer(config.settings)
+    trainer = job.build_trainer(config, tokenizer, data.prepare(config.settings, tokenizer), memory.preflight(config))
+    trainer.train()
+    (saver,) = [cb for cb in trainer.callback_handler.callbacks if hasattr(cb, "save_checkpoint")]
+    saver.wait_for_saves()
+    assert len(saver.costs.blocked) == 2  # both saves were the job's: it timed what each blocked training
+    for step in (1, 2):
+        assert (Path(out) / "checkpoints" / f"checkpoint-{step}" / "commit.json").exists()  # and committed them
