@@ -53,6 +53,41 @@ def test_every_link_in_the_readme_and_docs_lands_on_a_file_and_heading(tmp_path)
     assert {page.name: broken for page in PAGES if (broken := broken_links(page))} == {}
 
 
+DOC_REFERENCE = re.compile(r"(?<![\w/.-])((?:docs/)?[a-z][a-z0-9-]*\.md|README\.md)(?:#([A-Za-z0-9_-]+))?")
+
+
+def code_references() -> list[tuple[str, str, str]]:
+    """(module, page, anchor) for every docs page a message, a help text or a docstring in trainer/ or entrypoint.py names."""
+    found = []
+    for path in [ROOT / "entrypoint.py", *sorted((ROOT / "trainer").rglob("*.py"))]:
+        for page, anchor in DOC_REFERENCE.findall(path.read_text()):
+            found.append((str(path.relative_to(ROOT)), page, anchor))
+    return found
+
+
+def test_every_docs_page_and_heading_the_code_names_exists():
+    """An error message or a help text that sends a user to a page or a section must find it (two once named README
+    sections that had moved)."""
+    references = code_references()
+    assert len(references) > 20  # the pattern finds them: settings' help texts alone name a dozen
+    broken = []
+    for module, page, anchor in references:
+        target = ROOT / page if page.startswith(("docs/", "README")) else ROOT / "docs" / page
+        if not target.exists():
+            broken.append(f"{module}: {page} does not exist")
+        elif anchor and not anchor.endswith("-") and anchor not in _anchors(target):  # `#exit-{code}`: a template
+            broken.append(f"{module}: {page} has no heading #{anchor}")
+    assert broken == []
+
+
+def test_no_message_sends_a_user_to_a_readme_section_by_name():
+    """The README is a first screen; its sections move (the table of variables went to docs/settings.md).  Messages name a
+    docs page and heading instead, which the test above checks."""
+    said = [(path.name, line.strip()) for path in sorted((ROOT / "trainer").rglob("*.py"))
+            for line in path.read_text().splitlines() if re.search(r"README's [^)\"]*?section|README's table of variables", line)]
+    assert said == []
+
+
 def test_every_ft_name_in_the_readme_and_docs_is_a_setting():
     """A setting renamed or removed leaves no page telling users to set it."""
     unknown = {page.name: sorted(set(re.findall(r"\bFT_[A-Z0-9_]*[A-Z0-9]\b", page.read_text())) - set(settings.BY_ENV_NAME)) for page in PAGES}

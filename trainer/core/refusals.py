@@ -93,7 +93,7 @@ def not_a_setting(name: str) -> str:
     if name.upper() in BY_ENV_NAME:
         return f"is not a fulltune setting: variable names are case-sensitive; did you mean {name.upper()}?"
     close = difflib.get_close_matches(name.upper(), BY_ENV_NAME, n=1, cutoff=0.8)
-    return "is not a fulltune setting" + (f"; did you mean {close[0]}?" if close else " (see the README's table of variables)")
+    return "is not a fulltune setting" + (f"; did you mean {close[0]}?" if close else " (docs/settings.md lists them)")
 
 
 def shown(name: str, value: str | None) -> str:

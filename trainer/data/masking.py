@@ -65,7 +65,7 @@ class Masker:
                 raise ConfigError(
                     "FT_LOSS_ON=assistant: the chat template of FT_MODEL is not training-compatible: it has no {% generation %} "
                     "markers, is not ChatML, and TRL has no training template for it. Wrap the assistant reply in the template "
-                    "with {% generation %}...{% endgeneration %} (see the README's Your data section), or set FT_LOSS_ON=all"
+                    "with {% generation %}...{% endgeneration %} (docs/data.md#what-is-trained-ft_loss_on), or set FT_LOSS_ON=all"
                 ) from error
             self.kind, self.method = "markers", "assistant tokens (TRL's training template for this model family)"
 
