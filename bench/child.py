@@ -381,7 +381,7 @@ def run(args) -> dict:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e]
     evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
 
-    from trainer.tracking import progress
+    from trainer.console import progress
 
     net = trainer.model
     timed = timer.tokens or tokens  # the steps after the warm-up (all of them if there were no more)

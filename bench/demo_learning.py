@@ -7,7 +7,7 @@ validation split and data order: a stand-in for another CPU, whose kernels sum i
 trajectory) with the job's own trainer (`trainer.job.build_trainer`, after the stages trainer/job.py runs before
 it, without MLflow), on `--threads` torch threads.  Every `--every` steps it answers `--prompts` held-out prompts
 (trainer/data/demo.py `held_out`) greedily, as the sample answers are made, and scores them with the job's one rule
-(trainer/tracking/scoring.py).  Prints one line per scoring, then the first step at which 90 % are right and the
+(trainer/evaluation/scoring.py).  Prints one line per scoring, then the first step at which 90 % are right and the
 steps left after it.
 """
 
@@ -40,9 +40,9 @@ def main() -> None:
     from trainer.core import settings as settings_table
     from trainer.data import demo
     from trainer.data import prepare as data
+    from trainer.evaluation import samples, scoring
     from trainer.model import loading as model
     from trainer.model import memory
-    from trainer.tracking import samples, scoring
 
     torch.set_num_threads(args.threads)
     pairs = demo.held_out(args.prompts)

@@ -19,8 +19,9 @@ def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatc
 
     from trainer import job
     from trainer.checkpointing import commits as checkpoints
+    from trainer.console import progress
     from trainer.model import attention, memory, recipe, sharding
-    from trainer.tracking import metrics, progress
+    from trainer.tracking import metrics
 
     synthetic.build(str(tmp_path), rows=40, mean_tokens=48, gpu=False, config_path="", vocab=300)
     args = bench_run.parse(["--steps", "2", "--eval-steps", "1", "--no-mlflow", "--work", str(tmp_path)])

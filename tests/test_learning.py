@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 
+from trainer.console import progress
 from trainer.data import demo
-from trainer.tracking import progress, samples, scoring
+from trainer.evaluation import samples, scoring
 
 HELD_OUT = 40
 

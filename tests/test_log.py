@@ -12,7 +12,7 @@ import mlflow
 import pytest
 
 from conftest import job_env, run_job
-from trainer.tracking import progress, quiet
+from trainer.console import progress, quiet
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import job_env, run_job
-from trainer.tracking import progress
+from trainer.console import progress
 
 
 def test_progress_line_round_trips():

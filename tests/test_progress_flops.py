@@ -1,4 +1,4 @@
-"""MFU's FLOPs per token (tracking/progress.py) against torch's FlopCounterMode on a real training step.
+"""MFU's FLOPs per token (console/progress.py) against torch's FlopCounterMode on a real training step.
 
 The convention: model FLOPs, no recomputation.  The plain step (matmul attention, the model's own loss, no
 activation checkpointing) counts exactly that; the job's step counts more, by what it recomputes.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from trainer.console import progress
 from trainer.model import estimate
-from trainer.tracking import progress
 
 
 def _counted(config, length, **forward):

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from conftest import job_env, run_job
-from trainer.tracking import report
+from trainer.report import report
 
 CHROMIUM = shutil.which("chromium")
 

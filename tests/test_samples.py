@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import job_env, run_job
-from trainer.tracking import samples
+from trainer.evaluation import samples
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ def _name(path: Path) -> str:
 # The folders of trainer/ in the order their imports point: a folder imports only from folders before it (and itself).
 # launch/ and core/ run before torch is imported; serving/ is copied into the saved model and imports nothing of fulltune;
 # telemetry/ (what the cluster sees) is fed by the job and the progress callback and imports only core/, and no torch.
-LAYERS = {"core": 0, "launch": 1, "data": 1, "telemetry": 1, "model": 2, "checkpointing": 3, "tracking": 4, "evaluation": 5}
+LAYERS = {"core": 0, "launch": 1, "data": 1, "telemetry": 1, "model": 2, "checkpointing": 3, "tracking": 4, "publishing": 5, "evaluation": 5,
+          "console": 6, "report": 6}
 
 
 def test_the_folders_imports_point_one_way():
@@ -56,6 +57,8 @@ def test_the_folders_imports_point_one_way():
     assert backwards == []
     assert {(source, target) for source, target, _ in edges if source == "launch"} <= {("launch", "core")}
     assert {(source, target) for source, target, _ in edges if source == "telemetry"} <= {("telemetry", "core")}
+    # tracking/ is the MLflow client: it knows the configuration and the volume, not the model or the data
+    assert sorted((name, target) for source, target, name in edges if source == "tracking" and target in ("model", "data")) == []
 
 
 def test_only_the_tracking_folder_imports_mlflow():

@@ -13,6 +13,7 @@ from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption, restore, uploads
+from trainer.console import overview, progress, quiet, summary
 from trainer.core import config as job_config
 from trainer.core import devices, locations, ranks, schedule
 from trainer.core import settings as settings_table
@@ -24,13 +25,16 @@ from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
 from trainer.data import data_report, demo
 from trainer.data import prepare as data
+from trainer.evaluation import samples, scoring
 from trainer.evaluation import stage as evaluation
 from trainer.evaluation import tasks as eval_tasks
 from trainer.launch import launcher
 from trainer.model import attention, fetch, hub, memory, recipe, sharding, stepdown
 from trainer.model import loading as model
+from trainer.publishing import copies, hub_push
+from trainer.report import report
 from trainer.telemetry.feed import Telemetry
-from trainer.tracking import copies, hub_push, overview, packaging, progress, quiet, report, samples, scoring, summary
+from trainer.tracking import packaging
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker

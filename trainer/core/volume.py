@@ -63,12 +63,12 @@ class Volume:
 
     @property
     def eval_samples(self) -> str:
-        """The sample answers: one JSON line per prompt, at step 0 and at every evaluation (trainer/tracking/samples.py)."""
+        """The sample answers: one JSON line per prompt, at step 0 and at every evaluation (trainer/evaluation/samples.py)."""
         return self._path("eval-samples.jsonl")
 
     @property
     def report(self) -> str:
-        """The run report: one HTML page with its charts inside, refreshed at every evaluation (trainer/tracking/report.py)."""
+        """The run report: one HTML page with its charts inside, refreshed at every evaluation (trainer/report/report.py)."""
         return self._path("report.html")
 
     @property

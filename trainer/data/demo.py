@@ -2,7 +2,7 @@
 
 The task (reverse the user's list of words) can only be solved by attending to the user turn, so a
 model that learns it proves the data path end to end: template, masking, labels, saving, loading.  Each prompt
-has one right answer (`example`), so an answer is scored exactly (trainer/tracking/scoring.py); `held_out` gives
+has one right answer (`example`), so an answer is scored exactly (trainer/evaluation/scoring.py); `held_out` gives
 prompts the training rows do not hold.
 """
 

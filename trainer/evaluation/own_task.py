@@ -2,10 +2,10 @@
 
 FT_EVAL_ROWS rows of the validation split, chosen with FT_SEED when the data is prepared (before training) and
 kept on the volume (`evaluation/rows.json`), so that a restart that only evaluates needs no data.  Each row is
-split as the sample answers split it (trainer/tracking/samples.py): the conversation up to its last assistant turn
+split as the sample answers split it (trainer/evaluation/samples.py): the conversation up to its last assistant turn
 is the prompt, that turn is the reference.  Answers are greedy, at most FT_EVAL_MAX_NEW_TOKENS, in batches.
 
-Scores: exact match (trainer/tracking/scoring.py's rule) and chrF (sacrebleu's, 0-100: character n-gram overlap,
+Scores: exact match (trainer/evaluation/scoring.py's rule) and chrF (sacrebleu's, 0-100: character n-gram overlap,
 which credits a nearly right answer and needs no tokenizer or language); the corpus chrF over all rows is the
 headline, each row's sentence chrF orders the best and worst examples kept.
 """
@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from trainer.core.files import read_json, write_json
-from trainer.tracking import samples, scoring
+from trainer.evaluation import samples, scoring
 
 BATCH = 8  # rows per `generate` call: the cache of 8 long prompts stays small beside a 4B model
 KEPT = 3  # best and worst examples kept for the log, the report and MLflow

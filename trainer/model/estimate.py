@@ -44,7 +44,7 @@ def checkpointing_label(every: int, layers: int) -> str:
 def shape(config: Any) -> dict[str, int]:
     """The sizes the estimate needs, from a transformers config of a decoder-only model (or its config.json's fields).
 
-    This module owns `head_dim`: tracking/progress.py counts FLOPs from the same sizes."""
+    This module owns `head_dim`: console/progress.py counts FLOPs from the same sizes."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden, heads = text.hidden_size, text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads

@@ -1,7 +1,7 @@
 """Host memory: what the machine's RAM (its cgroup's limit) must hold besides the GPU plan, worked out before any weight
 is downloaded: the model while every process loads it, then the checkpoint snapshot or, under FSDP, the final model's
 gathered weights (and on CPU the training state itself).  The preflight (trainer/model/memory.py) exits 2 when it does not
-fit; the overview prints the staging (trainer/tracking/overview.py)."""
+fit; the overview prints the staging (trainer/console/overview.py)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from trainer.telemetry.feed import REPORTED, SHARES
 
-# The progress line's numbers (trainer/tracking/progress.py) as gauges: its key, the metric's name and help.
+# The progress line's numbers (trainer/console/progress.py) as gauges: its key, the metric's name and help.
 FROM_PROGRESS_LINE = {
     "loss": ("fulltune_loss", "Training loss at the last logging step."),
     "eval_loss": ("fulltune_eval_loss", "Loss on the validation rows at the last evaluation."),

@@ -1,1 +1,1 @@
-"""What people look at: the MLflow run and its queue, the progress line, sample answers, the run report."""
+"""The MLflow client: the job's one run and its queue, the store, the server's answers, the registry, the saved MLflow model."""

@@ -5,7 +5,7 @@
     appended to FT_OUTPUT_DIR/eval-samples.jsonl and to the MLflow run's `eval_samples.json` table:
         {"step": 20, "row": 113, "prompt": "<|im_start|>user\\n...", "reference": "...", "answer": "...", "tokens": 9, "exact": true}
 
-`exact`: the answer is the reference (trainer/tracking/scoring.py, the one rule); the log line says how many are.
+`exact`: the answer is the reference (trainer/evaluation/scoring.py, the one rule); the log line says how many are.
 The prompt is the validation row as the model sees it, up to and including the last generation prompt of the
 chat template (`<|im_start|>assistant\\n` for Qwen3); the reference is the rest of the row.  Plain-text rows
 (no chat template) are cut in half.  Step 0 is the base model.  Rank 0 generates while the other processes
@@ -26,8 +26,8 @@ from trainer.core.config import Config
 from trainer.core.files import append_lines, write_text
 from trainer.core.volume import Volume
 from trainer.data.prepare import Prepared
+from trainer.evaluation import scoring
 from trainer.model.memory import Plan
-from trainer.tracking import scoring
 from trainer.tracking.run import Tracker
 
 TABLE = "eval_samples.json"  # the MLflow run's artifact

@@ -15,7 +15,7 @@ from trainer.core.config import Config
 from trainer.core.errors import MirrorBehind, MirrorUnusable
 from trainer.core.settings import Settings
 from trainer.core.volume import Volume
-from trainer.tracking import hub_push
+from trainer.publishing import hub_push
 
 
 def mirror_name(settings: Settings) -> str:

@@ -4,7 +4,7 @@
 
 Keys without a value are left out (a job that failed before training has no steps and no model); a path
 holds no space when the volume's does not.  `wall_s` is this training process's time, start-up included;
-the run report's attempts add up every attempt on the volume.  Parse it with trainer.tracking.progress.parse_line.
+the run report's attempts add up every attempt on the volume.  Parse it with trainer.console.progress.parse_line.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from trainer.core.volume import Volume
-from trainer.tracking import scoring
+from trainer.evaluation import scoring
 
 
 def line(code: int, wall_s: float, tracker: Any, output_dir: str | None, max_steps: int | None) -> str:

@@ -1,6 +1,6 @@
 """The run report's page: plain facts in, one self-contained HTML page out (charts as PNG images inside it).
 
-    render(facts) -> str      # facts: what RunReport.facts() gathers (trainer/tracking/report.py)
+    render(facts) -> str      # facts: what RunReport.facts() gathers (trainer/report/report.py)
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from trainer.core.settings import SECRET_NAME
-from trainer.tracking import scoring
-from trainer.tracking.chart import chart_png
+from trainer.evaluation import scoring
+from trainer.report.chart import chart_png
 from trainer.tracking.server import scrub
 
 GB = 1e9

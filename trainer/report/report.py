@@ -14,7 +14,7 @@ The report knows nothing of the job's other parts: job.py passes it the facts (`
 The charts plot the run's metric history as MLflow holds it, read back from the run, so the page shows
 what MLflow shows; the same points are in the page as JSON (`<script id="chart-data" type="application/json">`,
 {chart: {metric: [[step, value], ...]}}).  They are PNG images inside the page (base64), drawn with
-Pillow (trainer/tracking/chart.py): the page needs no network and no other file, so it can be mailed,
+Pillow (trainer/report/chart.py): the page needs no network and no other file, so it can be mailed,
 attached or opened from an object store as it is.  Only rank 0 writes it; a failure to write it is
 printed and training goes on.
 """
@@ -32,9 +32,9 @@ from transformers import TrainerCallback
 from trainer.core import ranks
 from trainer.core.files import read_json, write_text
 from trainer.core.volume import Volume
-from trainer.tracking.page import CHARTS, chart_png, render, utc
+from trainer.evaluation.scoring import read_samples
+from trainer.report.page import CHARTS, chart_png, render, utc
 from trainer.tracking.run import Tracker
-from trainer.tracking.scoring import read_samples
 
 __all__ = ["CHARTS", "ReportFacts", "RunReport", "chart_png", "read_samples", "render"]
 

@@ -1,4 +1,4 @@
-"""One line chart as PNG bytes, drawn with Pillow: the run report's charts (trainer/tracking/page.py).
+"""One line chart as PNG bytes, drawn with Pillow: the run report's charts (trainer/report/page.py).
 
     chart_png(title, {"loss": [[step, value], ...], "eval_loss": [...]}, plan_gb=None) -> bytes
 
