@@ -19,8 +19,9 @@ def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatc
 
     from trainer import job
     from trainer.checkpointing import commits as checkpoints
+    from trainer.checkpointing import job_trainer
     from trainer.console import progress
-    from trainer.model import attention, memory, recipe, sharding
+    from trainer.model import attention, memory, recipe
     from trainer.tracking import metrics
 
     synthetic.build(str(tmp_path), rows=40, mean_tokens=48, gpu=False, config_path="", vocab=300)
@@ -40,7 +41,7 @@ def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatc
     trainer = child.fulltune(config, timer)
 
     assert built == [trainer], "bench/child.py must build the fulltune variant with trainer.job.build_trainer"
-    assert isinstance(trainer, trl.SFTTrainer) and type(trainer) is sharding.trainer_class(config.cuda, plan.strategy)  # the job's class
+    assert isinstance(trainer, trl.SFTTrainer) and type(trainer) is job_trainer.trainer_class(config.cuda, plan.strategy)  # the job's class
     callbacks = trainer.callback_handler.callbacks
     for kind in (checkpoints.CommitCheckpoints, progress.Progress, metrics.MetricsCallback):
         assert any(isinstance(c, kind) for c in callbacks), kind

@@ -15,7 +15,7 @@ import pytest
 
 # (where, name, the parameters fulltune calls it with or overrides it with)
 TRAINER_METHODS = [
-    ("_save_checkpoint", ["model", "trial"]),  # model/sharding.py overrides it: the save taken over
+    ("_save_checkpoint", ["model", "trial"]),  # checkpointing/job_trainer.py overrides it: the save taken over
     ("_load_best_model", []),  # overridden: waits for the save in flight
     ("_build_accelerator_args", []),  # overridden (**kwargs): DDP's gradient_as_bucket_view
     ("create_accelerator_and_postprocess", []),  # overridden under FSDP on CPU processes
@@ -42,7 +42,7 @@ def test_the_accelerate_and_environs_internals_are_still_there():
     from accelerate import ParallelismConfig, PartialState
     from environs import Env
 
-    assert isinstance(PartialState._shared_state, dict)  # model/sharding.py: FSDP on CPU processes
+    assert isinstance(PartialState._shared_state, dict)  # model/fsdp_on_cpu.py: FSDP on CPU processes
     assert callable(ParallelismConfig._validate_accelerator)
     assert "env_key" in inspect.signature(Env._get_value).parameters  # core/precedence.py: parsing a mapping
 

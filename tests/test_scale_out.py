@@ -239,15 +239,15 @@ def test_only_fsdp_on_cpu_processes_completes_accelerates_decision_gpu_jobs_keep
     job's class is TRL's SFTTrainer with the background checkpoint saves."""
     import trl
 
-    from trainer.model import sharding
+    from trainer.checkpointing import job_trainer
 
     own = trl.SFTTrainer.create_accelerator_and_postprocess
     for cuda, strategy in [(True, "fsdp"), (True, "ddp"), (False, "ddp"), (False, "none")]:
-        chosen = sharding.trainer_class(cuda, strategy)
+        chosen = job_trainer.trainer_class(cuda, strategy)
         assert issubclass(chosen, trl.SFTTrainer) and chosen.create_accelerator_and_postprocess is own, (cuda, strategy)
-    on_cpu = sharding.trainer_class(False, "fsdp")
-    assert on_cpu.create_accelerator_and_postprocess is not own and issubclass(on_cpu, sharding.trainer_class(True, "fsdp"))
-    assert sharding.trainer_class(False, "fsdp") is on_cpu
+    on_cpu = job_trainer.trainer_class(False, "fsdp")
+    assert on_cpu.create_accelerator_and_postprocess is not own and issubclass(on_cpu, job_trainer.trainer_class(True, "fsdp"))
+    assert job_trainer.trainer_class(False, "fsdp") is on_cpu
 
 
 @pytest.mark.faults("an FSDP checkpoint resumed without FSDP")

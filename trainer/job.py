@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 from trainer.checkpointing import commits as checkpoints
-from trainer.checkpointing import diskfull, divergence, layout, manifest, preemption, restore, uploads
-from trainer.console import overview, progress, quiet, summary
+from trainer.checkpointing import diskfull, divergence, job_trainer, layout, manifest, preemption, restore, uploads
+from trainer.console import overview, progress, quiet, shards, summary
 from trainer.core import config as job_config
 from trainer.core import devices, locations, ranks, schedule
 from trainer.core import settings as settings_table
@@ -29,7 +29,7 @@ from trainer.evaluation import samples, scoring
 from trainer.evaluation import stage as evaluation
 from trainer.evaluation import tasks as eval_tasks
 from trainer.launch import launcher
-from trainer.model import attention, fetch, hub, memory, recipe, sharding, stepdown
+from trainer.model import attention, fetch, hub, memory, recipe, stepdown
 from trainer.model import loading as model
 from trainer.publishing import copies, hub_push
 from trainer.report import report
@@ -202,7 +202,8 @@ def build_trainer(
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
     refuse = divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete)  # a NaN save never counts
     saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda, after_commit=after_commit)
-    trainer = sharding.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer, saving in the background; under FSDP it shards on CPU processes too
+    trainer = job_trainer.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer, saving in the background; under FSDP it shards on CPU processes too
+        saver=saver,
         model=net,
         args=args,
         optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
@@ -213,7 +214,7 @@ def build_trainer(
         callbacks=[
             saver,
             *callbacks,
-            *([sharding.ReportShards()] if plan.strategy == "fsdp" else []),
+            *([shards.ReportShards()] if plan.strategy == "fsdp" else []),
             *samples.callbacks(config, tokenizer, prepared, plan, tracker),
             *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
             MetricsCallback(tracker),
