@@ -62,7 +62,7 @@ def main() -> int:
         with lease.held(validated, stopping=lambda: bool(stops.received), on_lost=stops.end_now):
             job = config.build(validated)  # the GPUs, as the driver shows them (no torch here: trainer/core/devices.py)
             config.check_volume(job)  # a restart with other settings than the volume's: exit 2 before any process starts
-            layout.check_volume(job)  # a checkpoint this job's sharing (one process, ddp, fsdp) cannot read: exit 2 as well
+            layout.check_readable(job)  # a checkpoint this job's sharing (one process, ddp, fsdp) cannot read: exit 2 as well
             return launch.run_under_accelerate(job, stops)
     except errors.FulltuneError as error:
         return ending.exit_code_for(error)

@@ -333,12 +333,12 @@ def test_the_launcher_refuses_a_checkpoint_layout_whenever_the_settings_alone_fi
     refused = [({}, "one process"), ({"FT_NUM_PROCESSES": "2", "FT_DISTRIBUTED": "ddp"}, "ddp"), ({"FT_NUM_PROCESSES": "2", "FT_DISTRIBUTED": "none"}, "ddp")]
     for values, now in refused:
         with pytest.raises(ConfigError, match=f"checkpoint-20, was written by FSDP and this job runs {now}"):
-            layout.check_volume(job(**values))
-    layout.check_volume(job(FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp"))  # the layout it was written in
-    layout.check_volume(job(FT_NUM_PROCESSES="2"))  # auto: left to the plan, in the training process
+            layout.check_readable(job(**values))
+    layout.check_readable(job(FT_NUM_PROCESSES="2", FT_DISTRIBUTED="fsdp"))  # the layout it was written in
+    layout.check_readable(job(FT_NUM_PROCESSES="2"))  # auto: left to the plan, in the training process
     (out / ".fulltune").mkdir()
     Volume(str(out)).mark_saved({})
-    layout.check_volume(job())  # a finished job resumes nothing: its re-run is answered by the training process
+    layout.check_readable(job())  # a finished job resumes nothing: its re-run is answered by the training process
 
 
 @pytest.mark.faults("a damaged shard of one FSDP rank")

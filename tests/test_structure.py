@@ -61,6 +61,28 @@ def test_the_folders_imports_point_one_way():
     assert sorted((name, target) for source, target, name in edges if source == "tracking" and target in ("model", "data")) == []
 
 
+def test_no_module_imports_itself_back_in_core():
+    """core/ is read by everything: an import circle there (once settings.py and refusals.py, one importing the other
+    inside a function) works only as long as nobody moves an import to the top of a file."""
+    core = {path.stem: path for path in (ROOT / "trainer" / "core").glob("*.py") if path.stem != "__init__"}
+    edges = {}
+    for name, path in core.items():
+        targets, tree = set(), ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+                       for n in ast.walk(block)}  # annotations only: never imported when the code runs
+        for node in (n for n in ast.walk(tree) if id(n) not in typing_only):  # function-level imports too
+            if isinstance(node, ast.ImportFrom) and node.module == "trainer.core":
+                targets |= {alias.name for alias in node.names if alias.name in core}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainer.core."):
+                targets.add(node.module.split(".")[2])
+        edges[name] = targets - {name}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(t == goal or (t not in seen and reaches(t, goal, seen | {t})) for t in edges.get(start, ()))
+
+    assert sorted(name for name in core if reaches(name, name, {name})) == []
+
+
 def test_only_the_tracking_folder_imports_mlflow():
     """serving/ is the one exception: it is no part of the job but the saved model's code, which MLflow copies into
     the model and runs in the serving process (pyfunc.py subclasses mlflow.pyfunc.PythonModel), and the command that

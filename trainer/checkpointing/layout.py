@@ -21,7 +21,7 @@ FSDP_MODEL = "pytorch_model_fsdp_0"  # accelerate's DCP folder of an FSDP checkp
 FSDP_WHOLE = "pytorch_model_fsdp.bin"  # what FULL_STATE_DICT wrote, gathered on rank 0, before checkpoints were sharded
 
 
-def check_volume(job: Config) -> None:
+def check_readable(job: Config) -> None:
     """Exit 2 for a checkpoint on the volume this job would have to refuse once it has started, when its settings
     alone say how the processes share the model (one process, or FT_DISTRIBUTED other than auto)."""
     volume, ways = Volume(job.settings.output_dir), strategies(job.settings.distributed, job.world_size)

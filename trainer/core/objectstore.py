@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from trainer.core.errors import ConfigError
-from trainer.core.settings import SECRET_NAME
+from trainer.core.secrets import SECRET_NAME
 
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
 STORES = tuple(PACKAGES)  # the schemes an object-store setting (FT_MIRROR_URL) takes

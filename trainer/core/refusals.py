@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from typing import Any
 
-from trainer.core.settings import BY_ENV_NAME, MAX_SEQUENCES_PER_STEP, SECRET_NAME
+from trainer.core.secrets import SECRET_NAME
 from trainer.core.volume import Volume
+
+MAX_SEQUENCES_PER_STEP = 2**16  # FT_BATCH_SIZE x FT_GRADIENT_ACCUMULATION_STEPS: the memory plan tries every split of it
 
 
 def cross_checks(values: dict[str, Any], invalid: set[str] | frozenset[str] = frozenset()) -> dict[str, str]:
@@ -86,13 +89,13 @@ def _object_store_urls(values: dict[str, Any]) -> dict[str, str]:
     return problems
 
 
-def not_a_setting(name: str) -> str:
-    """The refusal of an unknown FT_* name, with the setting it most likely meant (difflib, as argparse suggests choices)."""
+def not_a_setting(name: str, known: Collection[str]) -> str:
+    """The refusal of an unknown FT_* name, with the setting (of `known`) it most likely meant (difflib, as argparse suggests choices)."""
     import difflib
 
-    if name.upper() in BY_ENV_NAME:
+    if name.upper() in known:
         return f"is not a fulltune setting: variable names are case-sensitive; did you mean {name.upper()}?"
-    close = difflib.get_close_matches(name.upper(), BY_ENV_NAME, n=1, cutoff=0.8)
+    close = difflib.get_close_matches(name.upper(), list(known), n=1, cutoff=0.8)
     return "is not a fulltune setting" + (f"; did you mean {close[0]}?" if close else " (docs/settings.md lists them)")
 
 

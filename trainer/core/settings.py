@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from trainer.core import refusals
 from trainer.core.errors import ConfigError
 from trainer.core.precedence import PREFIX
 
-# A variable whose value is masked wherever it is shown: TOKEN as a word of its name (HF_TOKEN, MLFLOW_TRACKING_TOKEN; not
-# FT_EVAL_SAMPLE_TOKENS, a count), and the other secret words anywhere in it.
-SECRET_NAME = re.compile(r"(?:^|_)TOKEN(?:_|$)|PASSWORD|PASSWD|SECRET|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CONNECTION_STRING", re.I)
 CHANGES = ("", "data", "training")  # what a setting changes: nothing of the result, the tokenized data, or the training
 INT_MAX = 2**31 - 1  # the largest integer setting unless its field says otherwise: every count stays a 32-bit integer downstream
-MAX_SEQUENCES_PER_STEP = 2**16  # FT_BATCH_SIZE x FT_GRADIENT_ACCUMULATION_STEPS: the memory plan tries every split of it
 
 
 def setting(default: Any, help: str, *, minimum: float | None = None, maximum: int | None = None, changes: str = "", group: str | None = None) -> Any:  # noqa: A002
@@ -304,7 +300,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     from environs import EnvValidationError
     from marshmallow.validate import OneOf, Range
 
-    from trainer.core import locations, precedence, refusals  # refusals.py reads the table above
+    from trainer.core import locations, precedence
 
     environ = dict(os.environ if environ is None else environ)
     unknown = sorted(k for k in environ if k.upper().startswith(PREFIX) and k not in BY_ENV_NAME)  # `ft_max_steps` too: never ignored silently
@@ -339,7 +335,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         for name, messages in error.error_messages.items():
             problems[name] = "; ".join(str(m).rstrip(".") for m in messages) + f" (allowed: {BY_ENV_NAME[name].allowed})"
     for name in unknown:
-        problems[name] = refusals.not_a_setting(name)
+        problems[name] = refusals.not_a_setting(name, BY_ENV_NAME)
     # With the per-variable ones, in the same error: each rule whose settings all parsed
     problems.update(refusals.cross_checks(values, invalid={BY_ENV_NAME[name].name for name in problems if name in BY_ENV_NAME}))
     if not problems:

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.core.errors import ConfigError
+from trainer.data.chatml import IM_END, IM_START
 from trainer.data.formats import Problem
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 PROBE = [  # renders distinct strings per role, to check that a template lays turns out as ChatML
     {"role": "system", "content": "probe-system"},
     {"role": "user", "content": "probe-user-1"},

@@ -20,7 +20,7 @@ import types
 from typing import Any
 
 from trainer.core import config as job_config
-from trainer.core import ending, errors, settings
+from trainer.core import ending, errors, locations, settings
 from trainer.core.errors import ConfigError
 from trainer.model import hub, memory
 
@@ -42,7 +42,7 @@ def read_config(model: str, revision: str) -> tuple[Any, str]:
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 return _attributes(json.load(f)), path
-    if os.path.isdir(model) or model.startswith(("/", "./", "../")) or model.endswith(".json"):
+    if not locations.is_hub_id(model) or model.endswith(".json"):  # the job's one rule for a local path or a hub id
         raise ConfigError(f"FT_MODEL={model!r}: no config.json there; `plan` needs only that file of the model")
     local = "set FT_MODEL to a local folder holding it (bench/configs/ has Qwen3-8B, 14B and 32B; bench/qwen3-4b-config.json is Qwen3-4B)"
     # Asked once first: huggingface_hub's own five retries of an unreachable hub took 24 s before the same message.

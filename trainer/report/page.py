@@ -14,7 +14,7 @@ import re
 import time
 from typing import Any
 
-from trainer.core.settings import SECRET_NAME
+from trainer.core.secrets import SECRET_NAME
 from trainer.evaluation import scoring
 from trainer.report.chart import chart_png
 from trainer.tracking.server import scrub
