@@ -75,8 +75,9 @@ RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"
     && python -c "import torch, sys; base = '$CUDA_VERSION'.rsplit('.', 1)[0]; sys.exit(0 if torch.version.cuda == base else \
 f'torch {torch.__version__} is built for CUDA {torch.version.cuda}, the base image is CUDA {base}: set TORCH_INDEX_URL to its cu index')"
 
-COPY requirements.txt /app/requirements.txt
-RUN pip install --no-cache-dir -r /app/requirements.txt \
+# requirements.lock: the whole set at the versions the tests ran, so that two builds of one commit install the same packages.
+COPY requirements.txt requirements.lock /app/
+RUN pip install --no-cache-dir -r /app/requirements.txt -c /app/requirements.lock \
     && pip check
 
 # The code last, owned by root: the job can read it, not change it.  Bytecode is compiled now because

@@ -341,7 +341,7 @@ def layers(image: str) -> list[str]:
 def test_a_change_under_trainer_rebuilds_only_the_code_layers_in_seconds(tmp_path, say):
     context = tmp_path / "context"  # a copy of the build context: the real tree stays as it is
     context.mkdir()
-    for name in ("Dockerfile", ".dockerignore", "entrypoint.py", "requirements.txt"):
+    for name in ("Dockerfile", ".dockerignore", "entrypoint.py", "requirements.txt", "requirements.lock"):
         shutil.copy2(REPO / name, context / name)
     shutil.copytree(REPO / "trainer", context / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
     with open(context / "trainer" / "__init__.py", "a") as f:

@@ -78,7 +78,7 @@ def test_image_installs_exactly_requirements_txt_with_torch_as_a_cuda_build():
     assert args["TORCH_VERSION"] == _pins()["torch"]  # the Dockerfile's torch layer and requirements.txt agree
     assert _pip_installs(instructions) == [
         'pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"',
-        "pip install --no-cache-dir -r /app/requirements.txt",
+        "pip install --no-cache-dir -r /app/requirements.txt -c /app/requirements.lock",
     ]
     runs = " ".join(arguments for keyword, arguments in instructions if keyword == "RUN")
     assert "torch.version.cuda" in runs  # the build fails if a CPU-only torch was installed
