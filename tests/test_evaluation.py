@@ -168,13 +168,13 @@ def test_a_drop_is_measured_against_the_direction_lm_eval_says_is_better():
 
 
 def test_freeing_the_training_memory_leaves_no_reference_to_the_trained_model(tmp_path):
-    """What job.py does before the evaluation loads its models: the trained model (and its optimizer state) can be collected."""
+    """What the job does before the evaluation loads its models: the trained model (and its optimizer state) can be collected."""
     import gc
 
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    from trainer.job import free_training_memory
+    from trainer.evaluation.stage import free_training_memory
 
     assets = Path(demo.ensure_demo(str(tmp_path)))
     from transformers import AutoModelForCausalLM

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from typing import Any
@@ -20,8 +19,6 @@ from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
 from trainer.core.errors import Preempted, StepDownRestart
-from trainer.core.files import staged
-from trainer.core.permissions import follow_umask
 from trainer.core.volume import Volume
 from trainer.data import data_report, demo
 from trainer.data import prepare as data
@@ -31,10 +28,9 @@ from trainer.evaluation import tasks as eval_tasks
 from trainer.launch import launcher
 from trainer.model import attention, fetch, hub, memory, recipe, stepdown
 from trainer.model import loading as model
-from trainer.publishing import copies, hub_push
+from trainer.publishing import copies, final_model, hub_push
 from trainer.report import report
 from trainer.telemetry.feed import Telemetry
-from trainer.tracking import packaging
 from trainer.tracking import server as tracking_server
 from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker
@@ -99,9 +95,9 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
             uploads.after_stop(mirroring, stopper)
             raise
         telemetry.stage("saving")
-        metadata = save_final(config, trainer, tokenizer, volume, tracker)
+        metadata = final_model.save_final(config, trainer, tokenizer, volume, tracker)
         state = trainer.state
-        free_training_memory(trainer)  # the GPU's memory back before the evaluation stage loads its models
+        evaluation.free_training_memory(trainer)  # the GPU's memory back before the evaluation stage loads its models
         del trainer
         refused = None
         if ranks.is_main():
@@ -134,22 +130,6 @@ def _evaluate_and_register(config: Config, volume: Volume, metadata: dict[str, s
         telemetry.stage("registering")
     _register(config, volume, metadata, tracker, summary)
     return None
-
-
-def free_training_memory(trainer: Any) -> None:
-    """Drop every reference the trainer and accelerate hold to the training model, its gradients and the optimizer
-    state (on Qwen3-4B 48 GB of the GPU), so that the evaluation's models load into an empty device."""
-    import gc
-
-    trainer.accelerator.free_memory()  # accelerate's lists of prepared models, optimizers and schedulers
-    for name in ("model", "model_wrapped", "optimizer", "lr_scheduler"):
-        if hasattr(trainer, name):
-            setattr(trainer, name, None)
-    gc.collect()
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _report_facts(config: Config, plan: memory.Plan, prepared: data.Prepared, steps: schedule.Schedule) -> report.ReportFacts:
@@ -272,53 +252,6 @@ def _stopped_early(config: Config, trainer: Any, tracker: Tracker) -> None:
         flush=True,
     )
     tracker.log(tags={"stopped_early_at_step": str(state.global_step), "best_checkpoint": best})
-
-
-def save_final(config: Config, trainer: Any, tokenizer: Any, volume: Volume, tracker: Tracker) -> dict[str, str]:
-    """Save the best model once, whole (whatever the sharding was), in its serving precision, as an MLflow
-    model (tracking/packaging.py); its metadata goes to the run too.  Rank 0 writes; under FSDP every rank first helps gather it."""
-    net = _whole_model(trainer, volume)
-    if not ranks.is_main():
-        return {}
-    net = net.to(config.precision.dtype("serving"))  # bf16 after bf16 training: half the size of the fp32 master copy
-    n_params = sum(p.numel() for p in net.parameters())
-    settings = config.settings
-    metadata = {
-        "task": "llm/v1/chat",
-        "pretrained_model_name": settings.model if settings.preset != "demo" else "fulltune-demo-tiny-qwen3",
-        "model_family": model.model_family(net.config),
-        "model_size_parameters": model.describe_size(n_params),
-        "parameter_count": str(n_params),
-    }
-    with diskfull.reported(volume.root, lambda: diskfull.while_saving_final(volume, config.precision.serving_bytes * n_params)):
-        with staged(volume.final) as partial:
-            served = locations.served_name(settings.registered_model, metadata["pretrained_model_name"])
-            packaging.save_model(net, tokenizer, partial, metadata, served_name=served)
-            follow_umask(partial)  # the weights too are readable by a serving pod or a copy job under another uid
-        volume.mark_saved(metadata)
-    tracker.log(artifacts={"model_metadata.json": metadata})
-    shutil.rmtree(volume.gathered, ignore_errors=True)
-    return metadata
-
-
-def _whole_model(trainer: Any, volume: Volume) -> Any:
-    """The trained model with every weight in one process: as it is, or gathered from its FSDP shards."""
-    if not trainer.is_fsdp_enabled:
-        return trainer.model
-    from transformers import AutoModelForCausalLM
-
-    gathered = volume.gathered
-    # Checkpoints are sharded (SHARDED_STATE_DICT), so `save_model` writes no weights under FSDP: this is its
-    # FULL_STATE_DICT branch, once, weights only.  Every rank sends its shards; rank 0 holds them (on the host) and writes.
-    weights = trainer.accelerator.get_state_dict(trainer.model)
-    if ranks.is_main():
-        for tied, source in getattr(trainer.model, "all_tied_weights_keys", {}).items():  # gathered as two host copies: keep one
-            if source in weights:
-                weights.pop(tied, None)
-        trainer._save(gathered, state_dict=weights)
-    del weights
-    ranks.barrier()
-    return AutoModelForCausalLM.from_pretrained(gathered) if ranks.is_main() else None
 
 
 def _register(config: Config, volume: Volume, metadata: dict[str, str], tracker: Tracker, summary: dict | None = None) -> None:

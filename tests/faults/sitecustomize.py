@@ -373,7 +373,7 @@ PATCHES = {  # module -> (variables, patch)
 }
 if TRAINING_PROCESS and os.environ.get("FAULT_FILL_VOLUME"):
     when = os.environ.get("FAULT_FILL_VOLUME_AT", "")
-    target, fill = ("trainer.job", _fill_before_final_save) if when == "final" else ("trainer.checkpointing.commits", _fill_after_commit)
+    target, fill = ("trainer.publishing.final_model", _fill_before_final_save) if when == "final" else ("trainer.checkpointing.commits", _fill_after_commit)
     PATCHES[target] = (("FAULT_FILL_VOLUME",), fill)
 
 

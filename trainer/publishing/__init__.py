@@ -1,1 +1,1 @@
-"""Copies of the finished model beyond the volume: the object-store mirror's final upload and the Hugging Face hub."""
+"""The finished model: saved whole on the volume, then copied beyond it (the object-store mirror's final upload, the Hugging Face hub)."""
