@@ -129,6 +129,25 @@ def test_grace_period_covers_the_stop_deadline_and_the_final_save(rendered):
         assert grace >= deadline + 30, (grace, deadline)
 
 
+def test_the_volume_and_the_stop_deadline_hold_what_plan_says_the_reference_job_writes(rendered):
+    """`entrypoint.py plan`'s sizes for the job the manifests run (Qwen3-4B, bf16-mixed on an H100, its settings.env): the
+    claim holds every checkpoint at once, the final model and the download; the deadline holds one checkpoint's write at the
+    speed the manifests plan for (200 MB/s); the comments say the same numbers."""
+    from trainer.model import plan_command
+
+    for overlay, objects in rendered.items():
+        env = _settings_env(objects)
+        values = {k: v for k, v in env.items() if k.startswith("FT_")} | {"FT_MODEL": str(REPO / "bench" / "qwen3-4b-config.json")}
+        plan, _ = plan_command.report(settings.load(values), "h100-80gb")
+        assert plan["checkpoint_gb"] == 48.3, overlay
+        claim = one(objects, "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"]
+        assert claim.endswith("Gi") and int(claim[:-2]) * 2**30 >= plan["volume_gb"] * 1e9 * 1.15, (overlay, claim, plan["volume_gb"])  # 15 % room
+        assert int(env["FT_STOP_DEADLINE_SECONDS"]) >= plan["write_seconds"] * 1.15, (overlay, plan["write_seconds"])
+    for path in ("k8s/base/job.yaml", "k8s/base/pvc.yaml", "k8s/base/settings.env", "k8s/kubeflow/cluster-training-runtime.yaml"):
+        assert "48.3 GB" in (REPO / path).read_text(), path
+    assert "~241 s" in (REPO / "k8s/base/job.yaml").read_text() and "209 GB" in (REPO / "k8s/base/pvc.yaml").read_text()
+
+
 def test_pod_is_locked_down_and_gets_one_gpu_shared_memory_and_the_volume(rendered):
     image_user = [a for k, a in dockerfile() if k == "USER"][-1]
     for objects in rendered.values():

@@ -45,6 +45,19 @@ def test_plan_as_text_names_the_layout_and_each_component():
     assert "in the backward end" in result.stdout and "tied gradient" in result.stdout and "weights" in result.stdout
 
 
+@pytest.mark.parametrize("card", ["h100-80gb", "h200-141gb"])
+def test_plan_says_what_the_reference_job_writes_its_checkpoint_the_volume_and_the_write_time(card):
+    reference = plan("--card", card, FT_MODEL=str(ROOT / "bench" / "qwen3-4b-config.json"))
+    assert reference.returncode == 0, reference.stderr
+    assert "checkpoint:    48.3 GB (weights + optimizer states); final model 8.0 GB" in reference.stdout
+    assert "volume:        at least 209 GB (195 GiB): 4 checkpoints at once" in reference.stdout
+    assert "one write:     ~241 s at 200 MB/s" in reference.stdout
+    faster = json.loads(plan("--card", card, "--json", "--write-mb-s", "1000", FT_MODEL=str(ROOT / "bench" / "qwen3-4b-config.json"),
+                             FT_SAVE_TOTAL_LIMIT="1").stdout)
+    assert (faster["write_seconds"], faster["checkpoints_at_once"]) == (48, 3)  # 48.3 GB at 1 GB/s; 1 kept + the best + one written
+    assert faster["volume_gb"] == pytest.approx(3 * 48.3 + 8.0 + 8.0, abs=0.2)
+
+
 def test_a_model_too_big_for_the_card_exits_2_with_the_processes_that_fit_it():
     result = plan("--card", "h100-80gb", FT_MODEL=str(QWEN3_8B), FT_MAX_LENGTH="2048")
     assert result.returncode == 2

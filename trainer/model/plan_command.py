@@ -22,7 +22,7 @@ from typing import Any
 from trainer.core import config as job_config
 from trainer.core import ending, errors, locations, settings
 from trainer.core.errors import ConfigError
-from trainer.model import hub, memory
+from trainer.model import hub, memory, sizes
 
 # What each card reports to the job (nvidia-smi's total, in MiB, as bytes): the plan must fit this, not the name.
 CARDS = {
@@ -76,7 +76,7 @@ def capacity(card: str | None, validated: settings.Settings) -> tuple[str, float
     return DEFAULT_CARD, float(CARDS[DEFAULT_CARD])
 
 
-def report(validated: settings.Settings, card: str | None) -> tuple[dict[str, Any], list[str]]:
+def report(validated: settings.Settings, card: str | None, write_mb_s: float = sizes.DEFAULT_WRITE_MB_S) -> tuple[dict[str, Any], list[str]]:
     """The plan as data, and the fixes when it does not fit."""
     config, source = read_config(validated.model, validated.model_revision)
     name, limit = capacity(card, validated)
@@ -106,6 +106,10 @@ def report(validated: settings.Settings, card: str | None) -> tuple[dict[str, An
         "breakdown_gb": {k: round(v / memory.GB, 2) for k, v in chosen.breakdown.items()},
         "fixes": fixes,
     }
+    written = sizes.of(n_params, precision, validated.save_total_limit, write_mb_s)
+    data |= {"checkpoint_gb": round(written.checkpoint / 1e9, 1), "final_model_gb": round(written.final_model / 1e9, 1),
+             "volume_gb": round(written.volume / 1e9, 1), "checkpoints_at_once": written.checkpoints_at_once,
+             "write_mb_s": write_mb_s, "write_seconds": round(written.write_seconds)}
     return data, fixes
 
 
@@ -120,6 +124,12 @@ def describe(data: dict[str, Any]) -> str:
         f"  peak:          ~{data['peak_gb']:.1f} GB per GPU, in the {data['peak_phase']}: {'fits' if data['fits'] else 'does NOT fit'}",
     ]
     lines += [f"    {name:<16}{gb:>8.2f} GB" for name, gb in data["breakdown_gb"].items()]
+    lines += [
+        f"  checkpoint:    {data['checkpoint_gb']:.1f} GB (weights + optimizer states); final model {data['final_model_gb']:.1f} GB",
+        f"  volume:        at least {data['volume_gb']:.0f} GB ({data['volume_gb'] * 1e9 / 2**30:.0f} GiB): {data['checkpoints_at_once']} checkpoints at "
+        f"once (FT_SAVE_TOTAL_LIMIT + the best + the one being written), the final model and the base model's download",
+        f"  one write:     ~{data['write_seconds']} s at {data['write_mb_s']:g} MB/s (--write-mb-s); FT_STOP_DEADLINE_SECONDS must hold it",
+    ]
     if data["fixes"]:
         lines.append("  to fit, set " + "; or ".join(data["fixes"]))
     return "\n".join(lines)
@@ -130,10 +140,12 @@ def main(argv: list[str]) -> int:
                                                                             "card, from config.json alone.")
     parser.add_argument("--card", help=f"one of {', '.join(CARDS)} (default: FT_GPU_MEMORY_GB if set, else {DEFAULT_CARD})")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--write-mb-s", type=float, default=sizes.DEFAULT_WRITE_MB_S,
+                        help=f"the volume's sequential write speed for the checkpoint's write time (default {sizes.DEFAULT_WRITE_MB_S:g})")
     args = parser.parse_args(argv)
     ending.set_termination_message_path(os.environ.get("FT_TERMINATION_MESSAGE_PATH", ""))  # a question, not a job: no termination log
     try:
-        data, fixes = report(settings.load(os.environ), args.card)
+        data, fixes = report(settings.load(os.environ), args.card, args.write_mb_s)
     except errors.FulltuneError as error:
         return ending.exit_code_for(error)
     print(json.dumps(data) if args.json else describe(data), flush=True)
