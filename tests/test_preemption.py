@@ -247,6 +247,44 @@ def test_a_stop_that_cannot_finish_in_time_exits_76(tmp_path, second_signal):
     assert why in termination_message(env)
 
 
+@pytest.mark.faults("SIGTERM on a volume too slow for one save within the stop deadline")
+def test_a_stop_whose_save_cannot_finish_in_time_ends_76_at_once_naming_the_last_checkpoint_and_the_retry_resumes_from_it(tmp_path):
+    """A checkpoint that would take ~5,400 s on this volume (the demo's 5.4 MB at 1 kB/s, as measured at start) against a
+    30 s deadline: no save is started, the job says so and ends within seconds, not at the deadline."""
+    out, log = tmp_path / "volume", tmp_path / "job.log"
+    env = job_env(out, **STEPS, FT_STOP_DEADLINE_SECONDS="30")
+    job = start_job(with_faults(env, seconds_per_step=0.5, write_speed=1000), log)
+    wait_for(lambda: committed_steps(out) == [10], timeout=180, what="checkpoint 10")
+    started = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 76, log.read_text()
+    assert time.monotonic() - started < 20  # ended at once, not after the 30 s deadline
+    message = termination_message(env)
+    assert "FT_STOP_DEADLINE_SECONDS=30: no checkpoint written for this stop" in message and "more than the" in message
+    assert f"the last committed checkpoint is {out}/checkpoints/checkpoint-10; a retry resumes from it" in message
+    assert committed_steps(out) == [10]
+
+    result = run_job(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"resuming from {out}/checkpoints/checkpoint-10" in result.stdout
+
+
+@pytest.mark.faults("SIGTERM while a periodic save is in flight on a volume too slow for another")
+def test_a_stop_during_a_periodic_save_commits_that_save_instead_of_starting_one_that_cannot_finish(tmp_path):
+    out, log, writing = tmp_path / "volume", tmp_path / "job.log", tmp_path / "writing"
+    env = job_env(out, **STEPS, FT_STOP_DEADLINE_SECONDS="60")
+    job = start_job(with_faults(env, seconds_per_step=0.5, write_speed=1000, slow_checkpoint_write=f"20:8:{writing}"), log)
+    wait_for(writing.exists, timeout=180, what="checkpoint 20's write to start")
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=90) == 75, log.read_text()
+    message = termination_message(env)
+    assert f"the save already in flight is committed instead, {out}/checkpoints/checkpoint-20; a retry resumes from it" in message
+    assert committed_steps(out)[-1] == 20  # no later save was started
+
+    result = run_job(env)
+    assert result.returncode == 0 and f"resuming from {out}/checkpoints/checkpoint-20" in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize("second_signal", [False, True], ids=["slow after the commit", "second signal after the commit"])
 def test_once_the_stops_checkpoint_is_committed_the_job_exits_75_whatever_follows(tmp_path, second_signal):

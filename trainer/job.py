@@ -83,7 +83,7 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
         mirroring.committed()  # the fingerprint, and what an earlier attempt committed but did not upload
     steps = schedule.of(settings, len(prepared.train), config.world_size)  # FT_MAX_STEPS or FT_NUM_EPOCHS, now that the rows are known
     tracker.planned_steps = steps.steps
-    overview.print_plan(config, prepared, plan, steps)
+    stopper.know_the_save(overview.print_plan(config, prepared, plan, steps), volume.checkpoints)  # a stop that cannot save in time says so
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
     with tracker:
@@ -224,6 +224,7 @@ def train(
         trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry,
                                 after_commit=mirroring.committed if mirroring else None)
         trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
+        stopper.saves = trainer.saver.saves  # a stop can commit the save in flight instead of starting another
         tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
         print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
         estimate = config.precision.checkpoint_bytes * trainer.model.num_parameters()  # until a checkpoint says how big one is

@@ -35,6 +35,7 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        (/proc/self/status VmRSS and VmHWM, the peak reset first through /proc/self/clear_refs)
 
 
+  FAULT_WRITE_SPEED=1000               the volume's write speed measured at start is this many bytes/s (a slow network disk)
   FAULT_HOLD_EVALUATION=<file>:2       once the evaluation stage has written its 2nd unit's result, write <file> and sleep 60 s
                                        (a stop that lands during the stage)
   FAULT_RECORD_EXIT=<file>             each training process appends to <file>, as it exits, a JSON line: its rank, the time, whether
@@ -129,6 +130,14 @@ def _slow_checkpoint_write(module):
         return original(trainer, folder, staged)
 
     module.write_snapshot = write_snapshot
+
+
+def _saving_faults(module):
+    if os.environ.get("FAULT_SLOW_CHECKPOINT_WRITE"):
+        _slow_checkpoint_write(module)
+    if os.environ.get("FAULT_WRITE_SPEED"):
+        speed = float(os.environ["FAULT_WRITE_SPEED"])
+        module.write_speed = lambda folder: speed
 
 
 def _fill_volume():
@@ -366,7 +375,7 @@ PATCHES = {  # module -> (variables, patch)
     "trainer.checkpointing.manifest": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
     "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES", "FAULT_NAN_LOSS_ON_RANK"), _model_faults),
-    "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE",), _slow_checkpoint_write),
+    "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE", "FAULT_WRITE_SPEED"), _saving_faults),
     "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY", "FAULT_RECORD_GATHERED"), _trainer_faults),
     "torch.nn.parallel.distributed": (("FAULT_RECORD_DDP",), _record_ddp),
     "trainer.model.optim": (("FAULT_RECORD_OPTIMIZER",), _record_optimizer),

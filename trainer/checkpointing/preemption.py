@@ -30,6 +30,8 @@ class StopOnSignal(TrainerCallback):
         self.deadline: threading.Timer | None = None
         self.stop_step: int | None = None  # the step whose save is the stop's checkpoint (seen at its step end)
         self.leave_at_once = ""  # why a signal needs no save (nothing_left_to_save)
+        self.write_seconds: float | None = None  # one checkpoint's write on this volume, measured at start (know_the_save)
+        self.checkpoints, self.saves = "", None
         self.committed = False  # the stop's checkpoint counts: what is left (the run report, MLflow) may be cut short
         self.any_rank = ranks.AnyRank()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -38,6 +40,12 @@ class StopOnSignal(TrainerCallback):
     @property
     def requested(self) -> bool:
         return self.requested_at is not None
+
+    def know_the_save(self, write_seconds: float | None, checkpoints: str) -> None:
+        """One process: how long a checkpoint takes on this volume (measured at start) and where the committed ones are,
+        so that a stop whose save cannot finish before the deadline says so at once instead of writing until it is cut
+        off.  `saves` (the saver's, trainer/checkpointing/saving.py) is set once the trainer exists."""
+        self.write_seconds, self.checkpoints = (write_seconds if ranks.world_size() == 1 else None), checkpoints
 
     def nothing_left_to_save(self, why: str) -> None:
         """From here on everything is on the volume as it is done (the evaluation stage): a signal ends the job at once, 75."""
@@ -83,11 +91,36 @@ class StopOnSignal(TrainerCallback):
         if self.any_rank.exchange(self.requested):
             if not self.requested:  # another node was told to stop: stop here too
                 self._on_stop(f"a stop signal on another rank at step {state.global_step}")
+            self._within_the_deadline(state.global_step)
             self.stop_step = state.global_step
             control.should_save = True
             control.should_evaluate = False
             control.should_training_stop = True
         return control
+
+    def _within_the_deadline(self, step: int) -> None:
+        """Before the stop's save: when one checkpoint's write (as measured at start) does not fit the time left, a
+        periodic save still in flight is committed and the job ends 75 with it; with none, the job ends 76 at once, naming
+        the last committed checkpoint, rather than spending the grace period on a save the deadline would cut off."""
+        if self.write_seconds is None or self.requested_at is None:
+            return
+        left = self.deadline_seconds - (time.monotonic() - self.requested_at)
+        if self.write_seconds < 0.8 * left:  # room to spare for the snapshot and the commit
+            return
+        need = (f"a checkpoint takes ~{self.write_seconds:.0f} s to write here (measured at start), more than the {max(left, 0):.0f} s left of "
+                f"FT_STOP_DEADLINE_SECONDS={self.deadline_seconds}")
+        from trainer.checkpointing import manifest
+
+        if self.saves is not None and self.saves.in_flight:
+            self.saves.wait()  # its commit runs as the write ends; past the deadline the timer still ends the job with 76
+            last = manifest.last_committed(self.checkpoints)
+            self._leave(Preempted.exit_code, f"{need}: the save already in flight is committed instead, {last}; a retry resumes from it"
+                        f" and redoes the steps after it, up to step {step}")
+        last = manifest.last_committed(self.checkpoints)
+        where = f"the last committed checkpoint is {last}; a retry resumes from it and redoes the steps after it, up to step {step}" if last else \
+            f"no checkpoint is committed yet; a retry starts from step 0 (step {step} was reached)"
+        self._leave(StopAbandoned.exit_code, f"{need}: no checkpoint written for this stop; {where}. Give the volume more speed or the "
+                    "stop more time (FT_STOP_DEADLINE_SECONDS, and the grace period above it): docs/checkpoints.md#choosing-the-cadence")
 
     def on_train_end(self, args, state, control, **kwargs):
         """The last step's exchange, waited for on every rank: a stop requested in the last step is seen by all or none."""

@@ -17,8 +17,9 @@ from trainer.model import loading as model
 from trainer.model import memory
 
 
-def print_plan(config: Config, prepared: Prepared, plan: memory.Plan, steps: Schedule) -> None:
-    """What a user would otherwise work out by hand, printed once."""
+def print_plan(config: Config, prepared: Prepared, plan: memory.Plan, steps: Schedule) -> float | None:
+    """What a user would otherwise work out by hand, printed once; return one checkpoint's write time on this volume, in
+    seconds, as measured now (None: not measured, or not this process's to write)."""
     settings = config.settings
     per_rank = settings.batch_size * settings.gradient_accumulation_steps
     effective = per_rank * config.world_size
@@ -29,6 +30,7 @@ def print_plan(config: Config, prepared: Prepared, plan: memory.Plan, steps: Sch
     by_time = f" or at the first evaluation {settings.save_every_minutes:g} min after the last" if settings.save_every_minutes else ""
     early = f" (stop after {settings.early_stopping_patience} without improvement)" if settings.early_stopping_patience else ""
     n_train, n_eval = len(prepared.train), len(prepared.eval) if prepared.eval is not None else 0
+    cost, write_seconds = _checkpoint_cost(config, plan)
     print(
         "fulltune: plan\n"
         f"  model {settings.model} ({config.precision.name}), data {settings.dataset}: {n_train} train / {n_eval} validation rows\n"
@@ -39,13 +41,14 @@ def print_plan(config: Config, prepared: Prepared, plan: memory.Plan, steps: Sch
         f" then {settings.lr_scheduler}\n"
         f"  eval every {settings.eval_steps} steps{early}, checkpoint every {settings.save_steps} steps{by_time} (keep {settings.save_total_limit} + best)"
         f" in {Volume(settings.output_dir).checkpoints}\n"
-        f"  {_checkpoint_cost(config, plan)}",
+        f"  {cost}",
         flush=True,
     )
+    return write_seconds
 
 
-def _checkpoint_cost(config: Config, plan: memory.Plan) -> str:
-    """The checkpoint's size and how long the volume takes to write it (measured now: 32 MiB, flushed)."""
+def _checkpoint_cost(config: Config, plan: memory.Plan) -> tuple[str, float | None]:
+    """The checkpoint's size and how long the volume takes to write it (measured now: 32 MiB, flushed), in words and in seconds."""
     n_params = model.parameter_count(model.read_config(config.settings), config.settings.trust_remote_code)
     size = config.precision.checkpoint_bytes * n_params
     staging = memory.checkpoint_staging_bytes(config.precision, n_params, plan.strategy, config.world_size)
@@ -53,8 +56,10 @@ def _checkpoint_cost(config: Config, plan: memory.Plan) -> str:
     write = "write time unknown (the volume's speed could not be measured)"
     if speed:
         write = f"~{size / speed:.1f} s at the volume's measured {speed / 1e9:.2f} GB/s"
+    seconds = size / speed if speed else None
     if plan.strategy == "fsdp":
         shard = size / config.world_size / 1e9
         return (f"each checkpoint ~{size / 1e9:.2f} GB (weights + AdamW states), one ~{shard:.2f} GB shard per process written in parallel "
-                f"through DCP while training waits, committed in the background: {write}; nothing staged in host memory")
-    return f"each checkpoint ~{size / 1e9:.2f} GB (weights + AdamW states), written in the background: {write}; host staging {staging / 1e9:.2f} GB per process"
+                f"through DCP while training waits, committed in the background: {write}; nothing staged in host memory"), None
+    return (f"each checkpoint ~{size / 1e9:.2f} GB (weights + AdamW states), written in the background: {write}; host staging "
+            f"{staging / 1e9:.2f} GB per process"), seconds

@@ -53,11 +53,14 @@ EXIT_CODES = {
        "the base model, so it was not registered (no new version), no traceback; the message names each task, metric and drop. A retry with "
        "the same settings exits 9 again without training or evaluating; with FT_EVAL_MAX_REGRESSION=0 (or larger) it registers the saved model.",
     75: "Stopped by SIGTERM/SIGINT after committing a checkpoint (a second signal after the commit ends the job at once, still 75). A retry resumes "
-        "from it; during the evaluation stage the scores done are kept and the retry evaluates the rest (no training). "
+        "from it; with a periodic save in flight and no time for another, that save is the one committed; during the evaluation stage "
+        "the scores done are kept and the retry evaluates the rest (no training). "
         "Also a job on several nodes where one process ran out of GPU memory: the next plan down is recorded on the volume and every node "
         "ends (on one node the job restarts its processes there by itself); the retry starts at that plan from the last committed checkpoint.",
     76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while "
-        "the training process was starting. A retry resumes from the previous committed checkpoint.",
+        "the training process was starting; or at once, when one checkpoint's write (the volume's speed measured at start) cannot fit "
+        "what is left of FT_STOP_DEADLINE_SECONDS (the message names the last committed checkpoint). A retry resumes from the previous "
+        "committed checkpoint.",
     77: "Stuck: no optimizer step for FT_STUCK_AFTER_SECONDS while training, with FT_STUCK_EXIT=true (a hung GPU, node, volume or "
         "collective), no traceback. The job ends at once without saving, so that the scheduler starts it again (Kubernetes counts it "
         "against backoffLimit, as exit 1). A retry resumes from the last committed checkpoint.",
