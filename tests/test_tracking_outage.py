@@ -82,7 +82,7 @@ def test_a_server_down_mid_run_loses_no_metric_and_the_job_finishes(retries, tmp
         assert logged_steps(server, run, metric) == [5, 10, 15, 20], metric
     assert logged_steps(server, run, "eval_loss") == [20]
     artifacts = [f.path for f in mlflow.MlflowClient(server.url).list_artifacts(run.info.run_id)]
-    assert artifacts == ["data", "eval_samples.json", "model", "model_metadata.json", "report.html"]
+    assert artifacts == ["data", "eval_samples.json", "evaluation", "model", "model_metadata.json", "report.html"]  # evaluation/: the stage after training
     assert mlflow.MlflowClient(server.url).get_model_version(DEMO_NAME, "1").run_id == run.info.run_id
     assert not (out / ".fulltune" / "unsent-tracking.json").exists()
     server.kill()

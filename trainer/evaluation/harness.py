@@ -8,15 +8,17 @@ chat model, and both models are asked the same way so that the difference is the
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 SKIPPED = ("alias", "name", "sample_len", "samples")  # what a task's results hold besides its metrics
 
 
-def score(net: Any, tokenizer: Any, folder: str, task: str, manager: Any, limit: int, cuda: bool) -> dict[str, Any]:
+def score(net: Any, tokenizer: Any, folder: str, task: str, manager: Any, limit: int, cuda: bool, quiet: bool = True) -> dict[str, Any]:
     """lm-eval's results for `task` (its own JSON, less the per-sample records), on `net` or, with vLLM, on `folder`."""
     import lm_eval
     import lm_eval.evaluator
@@ -26,12 +28,36 @@ def score(net: Any, tokenizer: Any, folder: str, task: str, manager: Any, limit:
     # repository" into the job's log at every task (the job runs in no repository); the results record fulltune's own instead.
     lm_eval.evaluator.get_git_commit_hash = lambda: "fulltune"
     model = _vllm(folder) if cuda and importlib.util.find_spec("vllm") else _hf(net, tokenizer, cuda)
-    results = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, limit=limit or None, apply_chat_template=True,
-                                      log_samples=False, bootstrap_iters=0, verbosity="ERROR")
+    with _no_progress_bars(quiet):
+        results = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, limit=limit or None, apply_chat_template=True,
+                                          log_samples=False, bootstrap_iters=0, verbosity="ERROR")
     results.pop("samples", None)
     from lm_eval.utils import handle_non_serializable
 
     return json.loads(json.dumps(results, default=handle_non_serializable))  # its configs hold functions: kept as their text
+
+
+@contextlib.contextmanager
+def _no_progress_bars(quiet: bool) -> Iterator[None]:
+    """lm-eval draws a tqdm bar per phase of every task (building requests, tokenizing, running them) with no way to turn
+    them off from its API; in a batch job's log they are noise between fulltune's own lines, which say each unit's time
+    and the stage's ETA.  tqdm reads its TQDM_DISABLE variable only when first imported, long before this stage, so every
+    bar is switched off for the stage's duration instead (FT_LOG_LEVEL=debug keeps the bars)."""
+    if not quiet:
+        yield
+        return
+    from tqdm import std
+
+    original = std.tqdm.__init__
+
+    def silent(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **(kwargs | {"disable": True}))  # lm-eval passes disable=False itself
+
+    std.tqdm.__init__ = silent
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = original
 
 
 def metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:

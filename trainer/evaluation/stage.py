@@ -159,7 +159,7 @@ def _evaluate(config: Config, net: Any, tokenizer: Any, folder: str, benchmarks:
     if unit == "own_task":
         answered = own_task.answer(net, tokenizer, rows, settings.eval_max_new_tokens, bf16=False)
         return {"scores": own_task.summary(answered), "rows": answered}
-    results = harness.score(net, tokenizer, folder, unit, benchmarks.manager, settings.eval_limit, config.cuda)
+    results = harness.score(net, tokenizer, folder, unit, benchmarks.manager, settings.eval_limit, config.cuda, quiet=settings.log_level != "debug")
     return {"scores": harness.metrics(results), "higher_is_better": harness.higher_is_better(results), "lm_eval": results}
 
 
@@ -215,7 +215,12 @@ def free_training_memory(trainer: Any) -> None:
     """Drop every reference the trainer and accelerate hold to the training model, its gradients and the optimizer
     state (on Qwen3-4B 48 GB of the GPU), so that the evaluation's models load into an empty device."""
     trainer.accelerator.free_memory()  # accelerate's lists of prepared models, optimizers and schedulers
-    for name in ("model", "model_wrapped", "optimizer", "lr_scheduler"):
-        if hasattr(trainer, name):
-            setattr(trainer, name, None)
+    for holder in (trainer, trainer.callback_handler):  # the callback handler keeps its own references, handed to every callback
+        for name in ("model", "model_wrapped", "optimizer", "lr_scheduler"):
+            if hasattr(holder, name):
+                setattr(holder, name, None)
     _free()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # what the evaluation's models find taken (0 when nothing is left)
+        print(f"fulltune: evaluation: {torch.cuda.memory_allocated() / 1e9:.2f} GB of GPU memory still allocated after training", flush=True)
