@@ -101,6 +101,9 @@ def test_a_stop_during_the_evaluation_exits_75_and_the_restart_evaluates_only_wh
     assert not computed(result.stdout, "base model", "own task") and not computed(result.stdout, "base model", demo.TASK)
     assert computed(result.stdout, "fine-tuned model", "own task") and computed(result.stdout, "fine-tuned model", demo.TASK)
     assert f"fulltune: registered {DEMO_NAME}/1" in result.stdout
+    page = (out / "report.html").read_text()  # the training attempt's page, with the evaluation the restart finished
+    assert f"finished: the final model is saved, registered as {DEMO_NAME}/1" in page and "<table id=evaluation>" in page
+    assert "FT_EVAL_LIMIT=8: each task was scored on its first 8 samples only" in page
     # a limited run says so wherever its numbers are shown
     assert the_line(result.stdout).endswith("[FT_EVAL_LIMIT=8: each task's first 8 samples]")
     assert summary(out)["limit"] == 8 and json.loads((out / "evaluation" / "base-fulltune_demo_reverse.json").read_text())["lm_eval"]["config"]["limit"] == 8

@@ -55,8 +55,12 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     tracker.warm_up()  # MLflow imported and the URI checked in the background, while the plan and the data are checked
     if status.final_model:  # saved by an earlier attempt stopped while evaluating (75), or whose gate (9), registration (3) or delivery (8) failed
         if ranks.is_main():
+            refused = None
             with tracker:
-                refused = _evaluate_and_register(config, volume, status.metadata, tracker, telemetry, stopper)
+                try:
+                    refused = _evaluate_and_register(config, volume, status.metadata, tracker, telemetry, stopper)
+                finally:  # the page the training attempt wrote, with the evaluation's table and how it ended
+                    report.RunReport.refresh_after_evaluation(volume, tracker, str(refused) if refused else None)
             copies.deliver(config, volume, None)
             if refused:
                 raise refused

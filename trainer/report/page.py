@@ -50,7 +50,7 @@ def render(facts: dict[str, Any]) -> str:
 <style>{STYLE}</style></head>
 <body>
 <h1>{_e(facts["title"])}</h1>
-<p class="status">{_e(facts["status"])}</p>
+{status_line(facts["status"])}
 <p>{_e(job["model"])} on {_e(job["data"])}, {_e(job["precision"])}, {job["max_steps"]} steps.{_e(_wall(attempts))} Written {_e(facts["written"])}.</p>
 <h2>Training</h2>
 <div class="charts">
@@ -60,7 +60,7 @@ def render(facts: dict[str, Any]) -> str:
 <h2>Memory: plan and measured peak</h2>
 {_memory(plan, measured)}
 <h2>Did the fine-tune help? Base against fine-tuned</h2>
-{_evaluation(facts.get("evaluation"))}
+{evaluation_section(facts.get("evaluation"))}
 <h2>Sample answers</h2>
 {_samples(facts["samples"])}
 <h2>{"Final metrics" if facts["final"] else "Latest metrics"}</h2>
@@ -114,6 +114,24 @@ def _memory(plan: dict, measured: float | None) -> str:
         f"<table><tr><th>Planned (GB)</th><th></th></tr>{rows}<tr><th>planned peak</th><th class=n>{plan['peak'] / GB:.3g}</th></tr>"
         f"<tr><th>measured peak</th><th class=n>{_e(shown)}</th></tr></table><p class=note>Measured: {_e(what)}.</p>"
     )
+
+
+EVALUATION = re.compile(r"<!-- evaluation -->.*?<!-- /evaluation -->", re.S)
+STATUS = re.compile(r'<p class="status">.*?</p>', re.S)
+
+
+def status_line(status: str) -> str:
+    return f'<p class="status">{_e(status)}</p>'
+
+
+def evaluation_section(summary: dict | None) -> str:
+    """The evaluation's part of the page, between markers: a restart that only evaluates (its charts' history is
+    another attempt's) replaces this part and the status line of the page the training attempt wrote (`refreshed`)."""
+    return f"<!-- evaluation -->{_evaluation(summary)}<!-- /evaluation -->"
+
+
+def refreshed(page: str, summary: dict | None, status: str) -> str:
+    return STATUS.sub(lambda _: status_line(status), EVALUATION.sub(lambda _: evaluation_section(summary), page, count=1), count=1)
 
 
 def _evaluation(summary: dict | None) -> str:

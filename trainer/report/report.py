@@ -33,7 +33,7 @@ from trainer.core import ranks
 from trainer.core.files import read_json, write_text
 from trainer.core.volume import Volume
 from trainer.evaluation.scoring import read_samples
-from trainer.report.page import CHARTS, chart_png, render, utc
+from trainer.report.page import CHARTS, chart_png, refreshed, render, utc
 from trainer.tracking.run import Tracker
 
 __all__ = ["CHARTS", "ReportFacts", "RunReport", "chart_png", "read_samples", "render"]
@@ -82,6 +82,22 @@ class RunReport(TrainerCallback):
         else:
             outcome = "not registered: registration failed (exit 3); running the job again registers it without training"
         self.write(f"finished: the final model is saved, {outcome}", "final", final=True)
+
+    @staticmethod
+    def refresh_after_evaluation(volume: Volume, tracker: Tracker, refused: str | None = None) -> None:
+        """A restart that trained nothing (it evaluated what an earlier attempt left, then registered): the page that
+        attempt wrote gets the evaluation's table and the ending, the rest as it was."""
+        if not ranks.is_main() or not os.path.exists(volume.report):
+            return
+        status = volume.status()
+        outcome = f"not registered (exit 9): {refused}" if refused else f"registered as {status.registered}" if status.registered else "not registered"
+        try:
+            with open(volume.report, encoding="utf-8") as f:
+                page = f.read()
+            write_text(volume.report, refreshed(page, read_json(volume.evaluation_summary, None), f"finished: the final model is saved, {outcome}"))
+            tracker.log_file(volume.report)
+        except Exception as error:  # noqa: BLE001 - the report is for people to read; it never ends a job
+            print(f"fulltune: the run report {volume.report} could not be refreshed ({type(error).__name__}: {error})", flush=True)
 
     def write(self, status: str, when: str, final: bool = False) -> None:
         if not ranks.is_main():
