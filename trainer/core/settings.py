@@ -207,7 +207,8 @@ class Settings:
     termination_message_path: str = setting("/dev/termination-log", "File that receives a one-line reason on every non-zero "
                                                                     "exit (read by Kubernetes); empty = none.")
     log_level: Literal["info", "debug"] = setting("info", "What the job's log shows: `info`, fulltune's own lines (MLflow's and other libraries' INFO "
-                                                          "lines left out); `debug` adds those and the start-up stage timings (docs/tracking-notes.md).")
+                                                          "lines left out); `debug` adds those and the start-up stage timings "
+                                                          "([log levels](tracking-and-serving.md#log-levels-ft_log_level)).")
     # -- Monitoring ----------------------------------------------------------------------------------
     metrics_port: int = setting(0, "Port of rank 0's Prometheus endpoint (`/metrics`: step, loss, tokens/s, MFU, memory, checkpoint cost, "
                                    "seconds since the last optimizer step); 0 = none ([the metrics](cluster.md#metrics)).",

@@ -57,7 +57,8 @@ def detect(columns: list[str], setting: str, source: str) -> str:
     raise DataError(
         f"{source}: unknown format: its columns {columns} match none of 'messages' (role/content), 'conversations' "
         "(ShareGPT from/value), 'prompt' + 'completion', 'instruction' + 'output' (Alpaca), or 'text'; "
-        'convert each row to {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]} (docs/first-hour.md shows how)'
+        'convert each row to {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]} '
+        "(docs/data.md#row-formats-ft_data_format shows how)"
     )
 
 

@@ -1,5 +1,5 @@
 """The job's MLflow run as one object, `Tracker`: one run per job (kept across restarts), what goes into it, and
-how it ends.  docs/tracking-notes.md describes the interface.
+how it ends.  docs/tracking-and-serving.md#the-tracker describes the interface.
 
     tracker = Tracker(config)
     tracker.warm_up()                    # MLflow imported and the URI checked in the background; nothing written
