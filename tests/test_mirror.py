@@ -156,6 +156,27 @@ def test_a_mirror_of_another_configuration_exits_2_naming_the_setting_before_tra
     assert s3.filesystem().cat(f"{BUCKET}/straight/fingerprint.json") == before
 
 
+def test_an_empty_volume_resuming_from_a_mirror_whose_validation_rows_were_others_exits_2_naming_them(s3, straight, tmp_path):
+    """The mirror's record holds what the data resolved to, as the volume's does: a resume onto an empty volume compares it
+    once the data is prepared, instead of training on with checkpoints validated on other rows."""
+    fs = s3.filesystem()
+    fs.copy(f"{BUCKET}/straight", f"{BUCKET}/otherrows", recursive=True)
+    recorded = json.loads(fs.cat(f"{BUCKET}/otherrows/fingerprint.json"))
+    assert recorded["evaluation data"] == f"FT_EVAL_FRACTION=0.1 of FT_DATASET='{DATA}', seed 42"  # sent as the volume records it
+    fs.pipe(f"{BUCKET}/otherrows/fingerprint.json", json.dumps(recorded | {"evaluation data": f"{DATA} [test]"}).encode())
+    out = straight[0]  # the same FT_OUTPUT_DIR (the demo's FT_MODEL is under it) on an empty volume; the straight run's kept aside
+    shutil.move(out, tmp_path / "aside")
+    try:
+        result = run_job(mirror_env(s3, out, "otherrows"))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.move(tmp_path / "aside", out)
+    assert result.returncode == 2, result.stdout + result.stderr
+    now = f"FT_EVAL_FRACTION=0.1 of FT_DATASET='{DATA}', seed 42"
+    assert f"evaluation data: '{DATA} [test]' on the volume, {now!r} now" in result.stderr
+    assert "starting from step" not in result.stdout and "step=" not in result.stdout
+
+
 @pytest.mark.faults("the bucket down mid-run")
 def test_the_bucket_down_mid_run_costs_no_step_and_every_checkpoint_reaches_it_once_it_is_back(s3, tmp_path):
     out, log = tmp_path / "volume", tmp_path / "job.log"

@@ -22,6 +22,7 @@ from trainer.core import config as job_config
 from trainer.core import objectstore, probe, ranks
 from trainer.core.config import Config
 from trainer.core.errors import ConfigError, MirrorUnusable
+from trainer.core.files import read_json, write_json
 from trainer.core.volume import Volume
 
 START_TRIES = 3  # the store's client retries each call itself (s3fs: about 10 s against a closed port)
@@ -38,6 +39,8 @@ def from_mirror(config: Config, volume: Volume) -> Mirror | None:
     if (recorded := mirror.read_json(FINGERPRINT)) is not None:
         if differences := job_config.check_recorded(config, recorded, mirror.shown):
             print("fulltune: FT_ALLOW_CONFIG_CHANGE=true: resuming from the mirror despite " + "; ".join(differences), flush=True)
+        if read_json(volume.fingerprint_file) is None:  # an empty volume takes the mirror's record: what the data resolves to is compared once prepared
+            write_json(volume.fingerprint_file, recorded)
     local = manifests.last_committed(volume.checkpoints)
     local_step = int(local.rsplit("-", 1)[1]) if local else -1
     remote = mirror.committed()

@@ -1,6 +1,6 @@
 """The mirror's uploads, on a thread of their own: training never waits for the bucket.
 
-    uploads = Uploads(mirror, volume, keep=2, fingerprint=config.fingerprint())
+    uploads = Uploads(mirror, volume, keep=2)
     uploads.committed()          # from the save's thread, after each commit: returns at once
     uploads.final()              # the final model is saved: upload it too
     uploads.settle(seconds)      # the end of the job: wait, bounded, until the mirror holds what the volume holds
@@ -24,6 +24,7 @@ from typing import Any
 from trainer.checkpointing import manifest as manifests
 from trainer.checkpointing.mirror import CHECKPOINTS, FINAL, Gone, Mirror, same
 from trainer.core import objectstore
+from trainer.core.files import read_json
 from trainer.core.volume import Volume
 
 FIRST_PAUSE_SECONDS, LONGEST_PAUSE_SECONDS = 1.0, 30.0
@@ -33,8 +34,8 @@ WHY_CHARACTERS = 200  # of the error that started an outage, in its one line
 class Uploads:
     """The thread that keeps one mirror up to date with one volume (rank 0 only)."""
 
-    def __init__(self, mirror: Mirror, volume: Volume, keep: int, fingerprint: dict[str, str]):
-        self.mirror, self.volume, self.keep, self.fingerprint = mirror, volume, keep, fingerprint
+    def __init__(self, mirror: Mirror, volume: Volume, keep: int):
+        self.mirror, self.volume, self.keep = mirror, volume, keep
         self._changed = threading.Condition()
         self._wanted = self._done = 0  # rounds asked for, and the last asked for when a round succeeded
         self._final = False  # the final model is saved: rounds upload it too
@@ -124,7 +125,9 @@ class Uploads:
 
     def _round(self) -> None:
         if not self._fingerprint_sent:
-            self.mirror.put_fingerprint(self.fingerprint)
+            # the volume's own record: the settings and what they resolved to (the validation rows' source), so that a
+            # resume from the mirror onto an empty volume compares the same things a resume from the volume does
+            self.mirror.put_fingerprint(read_json(self.volume.fingerprint_file, {}))
             self._fingerprint_sent = True
         remote = self.mirror.committed()
         while pending := [(step, path, local) for step, path in reversed(manifests.committed(self.volume.checkpoints))

@@ -34,7 +34,7 @@ def deliver(config: Config, volume: Volume, mirroring: uploads.Uploads | None) -
                 mirror = restore.from_mirror(config, volume)
             except MirrorUnusable:
                 mirror = Mirror(settings.mirror_url)
-            mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint())
+            mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit)
             mirroring.final()
         if not mirroring.settle(settings.mirror_wait_seconds):
             registered = f", registered as {volume.status().registered}," if volume.status().registered else ""
