@@ -68,3 +68,31 @@ def test_an_item_refused_once_then_accepted_is_sent():
     assert box.drain(time.monotonic() + 30)
     box.close()
     assert calls == [1, 1]
+
+
+def test_a_deadline_already_past_gives_what_is_queued_one_try_while_the_server_answers_and_none_once_it_does_not():
+    """FT_REGISTRATION_RETRY_SECONDS=0 ('one try'): the report logged after a registration still reaches a server that
+    answers; a server whose outage was announced is not waited for."""
+    slow = threading.Event()
+    sent: list[int] = []
+
+    def send(item):
+        slow.wait(0.5)  # each send takes a moment, as an HTTP call does
+        sent.append(item["n"])
+
+    box = Outbox(send, answers=lambda: True, where="test")
+    box.put({"n": 1})
+    box.put({"n": 2})
+    assert box.drain(time.monotonic() - 1)
+    assert sent == [1, 2]
+    box.close()
+
+    def refuse(item):
+        raise ConnectionError("connection refused")
+
+    down = Outbox(refuse, answers=lambda: False, where="test")
+    down.put({"n": 3})
+    began = time.monotonic()
+    assert not down.drain(time.monotonic() - 1)
+    assert time.monotonic() - began < outbox_module.SILENT_SECONDS / 2
+    assert down.close() == [{"n": 3}]

@@ -67,10 +67,13 @@ class Outbox:
         self._check_silence()
 
     def drain(self, deadline: float) -> bool:
-        """Wait until everything queued is sent, or until `deadline` (time.monotonic()); True when all was sent."""
+        """Wait until everything queued is sent, or until `deadline` (time.monotonic()); True when all was sent.
+
+        A deadline already past (FT_REGISTRATION_RETRY_SECONDS=0: one try) still gives what is queued one try while the
+        server answers, for up to SILENT_SECONDS: the deadline bounds the wait for a server that does not answer."""
         with self._changed:
             while self._queue or self._in_flight:
-                left = deadline - time.monotonic()
+                left = max(deadline - time.monotonic(), deadline + SILENT_SECONDS - time.monotonic() if self.down_since is None else 0.0)
                 if left <= 0:
                     return False
                 self._changed.wait(min(left, 1.0))
