@@ -59,8 +59,8 @@ def own_test_split(spec: str, settings: Settings) -> str | None:
     try:
         names = datasets.get_dataset_split_names(spec, settings.dataset_config or None, revision=settings.dataset_revision or None)
     except Exception as error:  # noqa: BLE001 - datasets wraps every failure in SplitsNotFoundError: its cause says which it was
-        if _not_found(error):
-            return None  # no such dataset: open_source() says so, with the folder it looked in
+        if _not_found(error) or _offline_and_not_cached(error):
+            return None  # no such dataset (or none in the offline cache): open_source() says so, with the folder it looked in
         raise HubUnreachable(
             f"FT_DATASET={spec!r}: could not ask the hub which splits it has ({_deepest(error)}). Without the answer the job cannot tell "
             "whether to validate on its `test` split or to hold out FT_EVAL_FRACTION of the training rows, and guessing would change the data "
@@ -81,6 +81,13 @@ def _not_found(error: BaseException) -> bool:
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     return any(isinstance(cause, DatasetNotFoundError | RepositoryNotFoundError | RevisionNotFoundError) for cause in _causes(error))
+
+
+def _offline_and_not_cached(error: BaseException) -> bool:
+    """HF_HUB_OFFLINE=1 and the cache lacks the dataset: datasets says so with a FileNotFoundError ("is not cached")."""
+    from datasets import config as datasets_config
+
+    return datasets_config.HF_HUB_OFFLINE and any(isinstance(cause, FileNotFoundError) for cause in _causes(error))
 
 
 def _deepest(error: BaseException) -> str:
