@@ -38,6 +38,11 @@ def test_a_hub_that_does_not_answer_exits_8_keeping_the_model_and_its_card_and_a
     assert "| `FT_LEARNING_RATE` | `0.002` |" in card and "| `FT_MAX_STEPS` | `10` |" in card and "| precision | `fp32` |" in card
     assert [f"| {e['step']} | {e['eval_loss']:.4f} |" for e in evals] == [line for line in card.splitlines() if line.startswith(("| 5 |", "| 10 |"))]
     assert f"MLflow run `{run_id}`" in card and "10 of 10 optimizer steps" in card  # the run
+    summary = json.loads((out / "evaluation" / "summary.json").read_text())  # the evaluation stage's before/after table, after the stage
+    assert card.count("## Base model against the fine-tuned one") == 1 and "| task | metric | base | fine-tuned | change |" in card
+    own = summary["own_task"]
+    assert f"| own task ({own['rows']} rows) | exact_match | {own['base']['exact_match']:.4f} | {own['tuned']['exact_match']:.4f} |" in card
+    assert all(f"| {r['task']} | {r['metric']} | {r['base']:.4f} | {r['tuned']:.4f} |" in card for r in summary["benchmarks"]) and summary["benchmarks"]
     assert SECRET not in card + result.stdout + result.stderr + termination_message(env)
 
     retry = run_job(env)

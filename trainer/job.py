@@ -22,7 +22,7 @@ from trainer.core.errors import Preempted, StepDownRestart
 from trainer.core.volume import Volume
 from trainer.data import data_report, demo
 from trainer.data import prepare as data
-from trainer.evaluation import samples, scoring
+from trainer.evaluation import compare, samples, scoring
 from trainer.evaluation import stage as evaluation
 from trainer.evaluation import tasks as eval_tasks
 from trainer.launch import launcher
@@ -82,7 +82,7 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     job_config.check_fingerprint(config, {"evaluation data": prepared.report.get("eval_source", "")})  # a resume validates on the same rows
     if ranks.is_main():
         evaluation.keep_rows(config, prepared.eval, tokenizer)  # the rows the evaluation stage scores, chosen before training
-    mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit, config.fingerprint()) if mirror else None
+    mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit) if mirror else None
     if mirroring:
         mirroring.committed()  # the fingerprint, and what an earlier attempt committed but did not upload
     steps = schedule.of(settings, len(prepared.train), config.world_size)  # FT_MAX_STEPS or FT_NUM_EPOCHS, now that the rows are known
@@ -127,6 +127,8 @@ def _evaluate_and_register(config: Config, volume: Volume, metadata: dict[str, s
     registration; return the gate's refusal (RegressionFound, exit 9) instead of registering."""
     stopper.nothing_left_to_save("during the evaluation stage: the scores done are kept on the volume; a retry evaluates the rest, without training")
     summary = evaluation.run(config, tracker, telemetry, benchmarks)
+    if config.settings.push_to_hub and summary:
+        hub_push.add_evaluation(volume, compare.description(summary))
     if refused := evaluation.gate(config, summary):
         print(f"fulltune: not registered: {refused}", flush=True)
         return refused

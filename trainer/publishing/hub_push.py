@@ -2,6 +2,7 @@
 
     check_token(settings)                               # at start: exit 2 without a token, before anything trains
     write_card(config, volume, metadata, tracker, state)  # final/model/README.md: base model, data, hyperparameters, results, the run
+    add_evaluation(volume, table)                       # the evaluation stage's before/after table, once it has run
     push(settings, volume)                              # create the repository (private by default) and upload the folder
 
 The card is written on the volume beside the weights, so the mirror's copy has it too and a retry after a failed push
@@ -24,6 +25,7 @@ from trainer.core.volume import Volume
 from trainer.tracking.server import redact
 
 CARD = "README.md"  # the hub shows a repository's README.md as its model card
+EVALUATION_HEADING = "## Base model against the fine-tuned one"
 WHY_CHARACTERS = 300
 
 
@@ -91,6 +93,17 @@ MLflow run `{run.get("run_id", "?")}` (experiment `{run.get("experiment_id", "?"
 
 def write_card(config: Config, volume: Volume, metadata: dict[str, str], tracker: Any, state: Any) -> None:
     write_text(os.path.join(volume.final_model, CARD), card(config, metadata, tracker.facts(), state))
+
+
+def add_evaluation(volume: Volume, table: str) -> None:
+    """The evaluation stage's before/after table (Markdown: the registered version's description,
+    trainer/evaluation/compare.py) in the card, once the stage has scored both models; replaced, not added twice, by a restart."""
+    path = os.path.join(volume.final_model, CARD)
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        text = f.read().split(EVALUATION_HEADING)[0].rstrip("\n")
+    write_text(path, f"{text}\n\n{EVALUATION_HEADING}\n\n{table}\n")
 
 
 def push(settings: settings_table.Settings, volume: Volume) -> str:
