@@ -108,6 +108,7 @@ def test_pod_failure_policy_fails_at_once_on_bad_config_and_does_not_count_preem
         assert _policy_action(job, 4) == "FailJob"  # out of GPU memory with these settings
         assert _policy_action(job, 5) == "FailJob"  # diverged: the same settings diverge again
         assert _policy_action(job, 6) == "FailJob"  # volume full: it will not empty itself
+        assert _policy_action(job, 9) == "FailJob"  # a benchmark fell past FT_EVAL_MAX_REGRESSION: the same settings exit 9 again
         assert _policy_action(job, 75) == "Ignore"  # checkpoint committed after SIGTERM: resume, uncounted
         assert _policy_action(job, 76) == "Ignore"  # save cut short: resume from the previous checkpoint
         assert _policy_action(job, 137, {("DisruptionTarget", "True")}) == "Ignore"  # drained or preempted node
@@ -116,6 +117,18 @@ def test_pod_failure_policy_fails_at_once_on_bad_config_and_does_not_count_preem
         assert _policy_action(job, 8) == "Count"  # the mirror or the hub did not get the model: the retry only uploads
         assert _policy_action(job, 7) == "Count"  # another job holds the volume's lease: a few retries with back-off, then fail naming it
         assert _policy_action(job, 77) == "Count"  # stuck (FT_STUCK_EXIT=true): retried, resuming, maybe on another node
+
+
+def test_every_code_the_exit_table_says_a_retry_cannot_help_fails_the_job_at_once(rendered):
+    """The README's exit-code table (trainer/core/errors.py EXIT_SUMMARY) is the contract the manifests carry out: each code
+    whose retry column says "no" or waits on a person ("after freeing space") fails the Job; no other code does."""
+    from trainer.core.errors import EXIT_SUMMARY
+
+    hopeless = {code for code, (_, retry) in EXIT_SUMMARY.items() if retry.startswith(("no", "after"))}
+    assert {2, 4, 5, 6, 9} <= hopeless
+    for objects in rendered.values():
+        job = _job(objects)
+        assert {code for code in EXIT_SUMMARY if code and _policy_action(job, code) == "FailJob"} == hopeless
         spec = job["spec"]
         assert spec["template"]["spec"]["restartPolicy"] == "Never"
         assert spec["backoffLimit"] >= 1 and spec["activeDeadlineSeconds"] > 0 and spec["ttlSecondsAfterFinished"] > 0
