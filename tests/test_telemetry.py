@@ -201,11 +201,11 @@ def test_progress_is_the_whole_jobs_by_stage_and_100_only_when_it_is_done():
     assert telemetry.snapshot().percentage() == 100
 
 
-CLUSTER_DOC = Path(__file__).resolve().parents[1] / "docs" / "cluster.md"
+CLUSTER_DOC = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"
 
 
 def test_the_docs_give_each_stage_the_share_and_each_metric_the_name_the_code_has():
-    """docs' stage shares of the TrainJob's progress are feed.SHARES, and its table of metrics names every metric the
+    """docs/deployment.md's stage shares of the TrainJob's progress are feed.SHARES, and its table of metrics names every metric the
     endpoint serves (a counter with Prometheus' _total), each stage among the stage gauge's labels."""
     from trainer.telemetry import feed, metrics
 
@@ -221,7 +221,7 @@ def test_the_docs_give_each_stage_the_share_and_each_metric_the_name_the_code_ha
                                  eta_s=5.0, eta_at=time.monotonic(), last_step_at=time.monotonic(), steps_expected=True, checkpoints=1)
 
     served = {family.name + ("_total" if family.type == "counter" else "") for family in metrics.Collector(Everything()).collect()}
-    table = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    table = text.split("\n### Metrics\n", 1)[1].split("\n#", 1)[0]
     documented = set(re.findall(r"`(fulltune_\w+)(?:\{\w+\})?`", table))
     assert documented == served
     stage_row = next(line for line in table.splitlines() if line.startswith("| `fulltune_stage{stage}`"))

@@ -120,7 +120,7 @@ class Settings:
                                               "checkpoint as the final model; 0 = train all `FT_MAX_STEPS`.", minimum=0)
     eval_samples: int = setting(4, "Validation prompts the model answers greedily at step 0 and after every evaluation, the "
                                    "same ones each time (chosen with `FT_SEED`), written to `FT_OUTPUT_DIR/eval-samples.jsonl` "
-                                   "and the MLflow run; 0 = none ([what they cost](performance.md#sample-answers)).", minimum=0)
+                                   "and the MLflow run; 0 = none ([what they cost](memory-plan.md#sample-answers)).", minimum=0)
     eval_sample_tokens: int = setting(128, "Most new tokens per sample answer (an answer also ends at the end-of-turn token).", minimum=1)
     logging_steps: int = setting(10, "Log loss, learning rate and throughput every N optimizer steps.", minimum=1)
     output_dir: str = setting("/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.")
@@ -143,12 +143,13 @@ class Settings:
                                       "A folder several jobs mount shares them.")
     # -- Object storage and the hub ------------------------------------------------------------
     mirror_url: str = setting("", "An object-store folder (`s3://`, `gs://`, `az://`) that receives each committed checkpoint in the background "
-                                  "and the final model; a job on an empty volume resumes from it. Empty = none ([object storage](object-storage.md)).",
+                                  "and the final model; a job on an empty volume resumes from it. Empty = none "
+                                  "([object storage](checkpoints.md#object-storage)).",
                               group="Object storage and the hub")
     mirror_wait_seconds: int = setting(600, "How long the end of the job waits for `FT_MIRROR_URL` to take the final model and the last checkpoints; "
                                             "past it the job exits 8 with the model kept on the volume, and running it again only uploads.", minimum=0)
     push_to_hub: str = setting("", "A Hugging Face hub repository (`org/name`) that receives the final model and a model card at the end "
-                                   "(`HF_TOKEN` with write access); empty = none ([the hub](object-storage.md#hugging-face-hub)).")
+                                   "(`HF_TOKEN` with write access); empty = none ([the hub](checkpoints.md#hugging-face-hub)).")
     hub_private: bool = setting(True, "Create the `FT_PUSH_TO_HUB` repository private; a repository that exists keeps its visibility.")
     # -- Hardware ------------------------------------------------------------------------------------
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = setting("auto", "`auto`: `bf16-mixed` on a bf16-capable GPU, else `fp32`. `bf16-mixed` keeps "
@@ -160,17 +161,17 @@ class Settings:
     activation_checkpointing: Literal["auto", "full", "selective", "off"] = setting("auto", "Recompute activations in the backward pass instead of keeping "
                                                                                             "them: `full` every decoder layer, `selective` every n-th layer "
                                                                                             "with n as large as the memory plan fits (every layer under "
-                                                                                            "FSDP), `off` none. `auto` "
-                                                                                            "picks the least recomputation that fits, none on CPU ([the "
-                                                                                            "memory plan](performance.md#memory-and-disk-preflight)).")
+                                                                                            "FSDP), `off` none. `auto` picks the least recomputation that "
+                                                                                            "fits, none on CPU ([the memory plan]"
+                                                                                            "(memory-plan.md#the-preflight-memory-disk-and-host-memory)).")
     # -- Throughput ----------------------------------------------------------------------------------
     batch_layout: Literal["auto", "as-set"] = setting("auto", "`auto`: train each optimizer step's `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` "
                                                               "sequences, in the same order and with the same updates, in as few forward passes as the "
                                                               "memory plan fits; `as-set`: exactly `FT_BATCH_SIZE` sequences per pass, as TRL does "
-                                                              "([why](performance.md#what-the-defaults-do)).", group="Throughput")
+                                                              "([why](memory-plan.md#what-the-defaults-do)).", group="Throughput")
     padding_free: Literal["auto", "on", "off"] = setting("auto", "Concatenate the sequences of a forward pass into one row without "
                                                                  "padding (TRL's `padding_free`); each sequence still attends only to "
-                                                                 "itself. `auto`: on ([measured](performance.md#what-the-defaults-do)).")
+                                                                 "itself. `auto`: on ([measured](memory-plan.md#what-the-defaults-do)).")
     optimizer: Literal["auto", "adamw_torch", "adamw_torch_fused"] = setting("auto", "AdamW implementation; the update is the same. `auto`: the fused "
                                                                                      "kernel (one launch for all parameters) on GPU, the loop on CPU.")
     compile: bool = setting(False, "`torch.compile` the model. Off until measured on the target GPU: the first steps compile for minutes.")
@@ -179,17 +180,20 @@ class Settings:
     eval_max_samples: int = setting(0, "Evaluate on at most this many validation rows (the first ones "
                                        "of the split, always the same); 0 = all of them.", minimum=0)
     dataloader_workers: int = setting(0, "Background processes that collate batches; 0 = in the training process, which is enough because rows "
-                                         "are tokenized up front ([measured](performance.md#what-the-defaults-do)).", minimum=0, maximum=256)
+                                         "are tokenized up front ([measured](memory-plan.md#what-the-defaults-do)).", minimum=0, maximum=256)
     preflight: Literal["fail", "warn", "off"] = setting("fail", "Before loading weights: estimate peak GPU memory from the model config and check the volume "
                                                                 "has room for the checkpoints. `fail`: exit 2 with the breakdown and the settings that would "
-                                                                "fit; `warn`: print it and go on ([the preflight](performance.md#memory-and-disk-preflight)).")
+                                                                "fit; `warn`: print it and go on ([the preflight]"
+                                                                "(memory-plan.md#the-preflight-memory-disk-and-host-memory)).")
     gpu_memory_gb: float = setting(0.0, "GPU memory the plan must fit, in GB; 0 = what the device reports. Set "
                                         "it to plan for a smaller card than the one at hand.", minimum=0.0)
     # -- Tracking and registry -----------------------------------------------------------------------
     registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog), also the name "
                                                                        "the served model answers with; empty = do not register. Unset with another `FT_MODEL`: "
-                                                                       "`main.default.<model name>_sft` (docs/first-hour.md).", group="Tracking and registry")
-    run_name: str = setting("", "MLflow run name; empty = `<model name>_full-fine-tuning`, the model's name without its path (docs/first-hour.md).")
+                                                                       "`main.default.<model name>_sft` ([names](preemption-and-failures.md#names)).",
+                                    group="Tracking and registry")
+    run_name: str = setting("", "MLflow run name; empty = `<model name>_full-fine-tuning`, the model's name without its path "
+                                "([names](preemption-and-failures.md#names)).")
     system_metrics: bool = setting(True, "Log CPU/GPU/memory system metrics to the MLflow run.")
     registration_retry_seconds: int = setting(600, "How long the end of the job waits for an MLflow server that does not answer, to send held-back metrics, "
                                                    "register and close the run; past it the job exits 3 with the model kept on the volume, and running it "
@@ -211,7 +215,7 @@ class Settings:
                                                           "([log levels](tracking-and-serving.md#log-levels-ft_log_level)).")
     # -- Monitoring ----------------------------------------------------------------------------------
     metrics_port: int = setting(0, "Port of rank 0's Prometheus endpoint (`/metrics`: step, loss, tokens/s, MFU, memory, checkpoint cost, "
-                                   "seconds since the last optimizer step); 0 = none ([the metrics](cluster.md#metrics)).",
+                                   "seconds since the last optimizer step); 0 = none ([the metrics](deployment.md#metrics)).",
                                 minimum=0, maximum=65535, group="Monitoring")
     stuck_after_seconds: int = setting(1800, "Seconds without an optimizer step, while training, after which the job logs that it is stuck (once) "
                                              "and `fulltune_stuck` turns 1; keep it above the longest evaluation or checkpoint pause. 0 = never.",
