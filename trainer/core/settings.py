@@ -7,36 +7,21 @@ are reported together (environs' `eager=False` + `seal()`), before anything heav
 once per job, in entrypoint.py; the training process receives the result (trainer/core/config.py), never
 the environment.
 
-Which value wins (explicit, platform, preset, default) is precedence.py's; the words of a refusal are refusals.py's.
+Which value wins (explicit, platform, preset, default) is precedence.py's; the words of a refusal are refusals.py's;
+`setting()`, which declares each field, and the table's rows made of the fields are fields.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from trainer.core import refusals
 from trainer.core.errors import ConfigError
+from trainer.core.fields import rows, setting
 from trainer.core.precedence import PREFIX
-
-CHANGES = ("", "data", "training")  # what a setting changes: nothing of the result, the tokenized data, or the training
-INT_MAX = 2**31 - 1  # the largest integer setting unless its field says otherwise: every count stays a 32-bit integer downstream
-
-
-def setting(default: Any, help: str, *, minimum: float | None = None, maximum: int | None = None, changes: str = "", group: str | None = None) -> Any:  # noqa: A002
-    """A field of `Settings`: its default and what the README says of it.
-
-    `maximum` applies to integers only (default INT_MAX); floats must be finite (no `nan`, `inf`).
-
-    `changes`: "data" when it changes the checked, tokenized data (and so the result), "training" when it
-    changes the computation after that; "" for cadence, paths and speed levers that keep the result.
-    `group` starts a new group of the README's table at this field.
-    """
-    assert changes in CHANGES
-    return dataclasses.field(default=default, metadata={"help": help, "minimum": minimum, "maximum": maximum, "changes": changes, "group": group})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,61 +234,13 @@ class Settings:
     detected_platform: str = "none"
 
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """One row of the README's table: a `Settings` field seen as an environment variable."""
-
-    name: str  # the field name, e.g. max_steps
-    kind: type | tuple[str, ...]  # int, float, bool, str, or the allowed values
-    default: Any
-    help: str
-    group: str
-    minimum: float | None
-    changes: str
-    maximum: int | None = None  # integers only
-
-    @property
-    def env_name(self) -> str:
-        return PREFIX + self.name.upper()
-
-    @property
-    def allowed(self) -> str:
-        """What a valid value looks like, for error messages."""
-        if isinstance(self.kind, tuple):
-            return "one of " + ", ".join(self.kind)
-        floor = f" >= {self.minimum:g}" if self.minimum is not None else ""
-        ceiling = f" and <= {self.maximum}" if self.maximum is not None else ""
-        return {int: f"an integer{floor}{ceiling}", float: f"a finite number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
-
-    @property
-    def type_name(self) -> str:
-        if isinstance(self.kind, tuple):
-            return " \\| ".join(f"`{c}`" for c in self.kind)
-        return self.kind.__name__
-
-
-def _table() -> tuple[Setting, ...]:
-    hints = typing.get_type_hints(Settings)
-    rows, group = [], ""
-    for f in dataclasses.fields(Settings):
-        if "help" not in f.metadata:
-            continue
-        group = f.metadata["group"] or group
-        kind = hints[f.name]
-        kind = typing.get_args(kind) if typing.get_origin(kind) is Literal else kind
-        maximum = (f.metadata["maximum"] or INT_MAX) if kind is int else None
-        rows.append(Setting(f.name, kind, f.default, f.metadata["help"], group, f.metadata["minimum"], f.metadata["changes"], maximum))
-    return tuple(rows)
-
-
-TABLE = _table()
+TABLE = rows(Settings)
 BY_ENV_NAME = {s.env_name: s for s in TABLE}
 
 
 def load(environ: Mapping[str, str] | None = None) -> Settings:
     """Parse and validate every `FT_*` variable; raise one ConfigError listing all problems."""
     from environs import EnvValidationError
-    from marshmallow.validate import OneOf, Range
 
     from trainer.core import locations, precedence
 
@@ -312,16 +249,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     platform, levels = precedence.layers(environ)
     layered = precedence.layered(levels)
     env = precedence.reader(layered)
-    values = {}
-    for s in TABLE:
-        key = s.name.upper()
-        if isinstance(s.kind, tuple):
-            values[s.name] = env.str(key, s.default, validate=OneOf(s.kind, error="not a valid choice"))
-        else:
-            bounded = s.minimum is not None or s.maximum is not None
-            validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
-            parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]  # env.float refuses nan and inf
-            values[s.name] = parse(key, s.default, validate=validate)
+    values = {s.name: s.read(env) for s in TABLE}
     for name in precedence.losers(levels) & {"FT_NUM_EPOCHS", "FT_WARMUP_RATIO"}:  # FT_MAX_STEPS (FT_WARMUP_STEPS) set as explicitly: it wins
         values[BY_ENV_NAME[name].name] = 0.0
     values["output_dir"] = locations.real_path(values["output_dir"])  # one spelling of each local path before anything compares or stores it
