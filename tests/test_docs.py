@@ -57,10 +57,13 @@ DOC_REFERENCE = re.compile(r"(?<![\w/.-])((?:docs/)?[a-z][a-z0-9-]*\.md|README\.
 
 
 def code_references() -> list[tuple[str, str, str]]:
-    """(module, page, anchor) for every docs page a message, a help text or a docstring in trainer/ or entrypoint.py names."""
+    """(file, page, anchor) for every docs page a message, a help text or a docstring in trainer/ or entrypoint.py names,
+    and a comment in bench/, k8s/, deploy/, the Dockerfile or the requirements."""
     found = []
-    for path in [ROOT / "entrypoint.py", *sorted((ROOT / "trainer").rglob("*.py"))]:
-        for page, anchor in DOC_REFERENCE.findall(path.read_text()):
+    beside = [*(ROOT / "bench").rglob("*.py"), *(ROOT / "bench").glob("*.sh"), *(ROOT / "k8s").rglob("*.yaml"), *(ROOT / "deploy").rglob("*"),
+              ROOT / "Dockerfile", *ROOT.glob("requirements*.txt")]
+    for path in [ROOT / "entrypoint.py", *sorted((ROOT / "trainer").rglob("*.py")), *sorted(p for p in beside if p.is_file())]:
+        for page, anchor in DOC_REFERENCE.findall(path.read_text(errors="replace")):
             found.append((str(path.relative_to(ROOT)), page, anchor))
     return found
 
@@ -86,6 +89,16 @@ def test_no_message_sends_a_user_to_a_readme_section_by_name():
     said = [(path.name, line.strip()) for path in sorted((ROOT / "trainer").rglob("*.py"))
             for line in path.read_text().splitlines() if re.search(r"README's [^)\"]*?section|README's table of variables", line)]
     assert said == []
+
+
+def test_the_readmes_page_list_and_the_architectures_name_every_docs_page_once():
+    """One home per topic: a page added, folded into another or renamed shows in the README's list of pages and in
+    docs/architecture.md's account of why each page is its own."""
+    pages = sorted(page.name for page in (ROOT / "docs").glob("*.md"))
+    readme = README.read_text().split("## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    assert sorted(re.findall(r"^\| \[docs/([\w-]+\.md)\]", readme, re.M)) == pages
+    why = (ROOT / "docs" / "architecture.md").read_text().split("## The docs' pages\n", 1)[1].split("\n## ", 1)[0]
+    assert sorted(re.findall(r"^- \*\*\[([\w-]+\.md)\]", why, re.M)) == pages
 
 
 def test_every_ft_name_in_the_readme_and_docs_is_a_setting():

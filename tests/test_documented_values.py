@@ -21,10 +21,8 @@ from trainer import job
 from trainer.core import config as job_config
 from trainer.core import settings as settings_table
 from trainer.core.errors import ConfigError, DataError
+from trainer.core.volume import Volume
 from trainer.data import demo
-from trainer.data import prepare as data
-from trainer.model import loading as model
-from trainer.model import memory
 
 STEPS = 2
 
@@ -108,11 +106,10 @@ def base_env(demo_assets: Path, files: dict[str, str], output_dir: Path) -> dict
 
 
 def build(env: dict[str, str]):
-    """What trainer/job.py does before `trainer.train()`, without MLflow."""
+    """The job's own path to its trainer, without MLflow: the configuration as entrypoint.py builds it, then
+    `job.before_training` (every check, the plan, the tokenizer and the data, as `job.run` calls it) and `job.build_trainer`."""
     config = job_config.build(settings_table.load(env), cuda=False, bf16_supported=False)
-    plan = memory.preflight(config)
-    tokenizer = model.load_tokenizer(config.settings)
-    prepared = data.prepare(config.settings, tokenizer)
+    _, plan, _, tokenizer, prepared = job.before_training(config, Volume(config.settings.output_dir))
     return job.build_trainer(config, tokenizer, prepared, plan), prepared
 
 

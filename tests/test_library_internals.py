@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,46 @@ def test_trls_collator_is_importable_where_fulltune_imports_it():
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # model/recipe.py (TRL does not export it)
 
     assert "padding_free" in inspect.signature(DataCollatorForLanguageModeling).parameters
+
+
+def test_mlflows_store_registry_answers_a_uri_without_building_its_store():
+    """tracking/store.py's check_scheme: exit 2 for a URI this MLflow has no store for, asked of the registry without
+    building the store (which, for a fresh SQLite file, creates its tables)."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils as tracking_stores
+
+    registry = tracking_stores._tracking_store_registry
+    assert callable(registry.get_store_builder("sqlite:///nowhere/mlflow.db"))
+    with pytest.raises(mlflow.tracking.registry.UnsupportedModelRegistryStoreURIException):
+        registry.get_store_builder("nosuchscheme://host/path")
+
+
+def test_the_evaluation_stage_switches_off_every_tqdm_bar_lm_eval_draws_and_puts_tqdm_back():
+    """evaluation/harness.py's _no_progress_bars patches tqdm.std.tqdm.__init__: lm-eval passes disable=False itself,
+    and tqdm reads TQDM_DISABLE only when first imported."""
+    from tqdm import std, tqdm
+    from tqdm.asyncio import tqdm as async_tqdm  # lm-eval's API models draw this one
+
+    from trainer.evaluation.harness import _no_progress_bars
+
+    kept = vars(std.tqdm)["__init__"]
+    assert tqdm is std.tqdm and "disable" in inspect.signature(std.tqdm.__init__).parameters
+    with _no_progress_bars(quiet=True):
+        assert tqdm(range(3), disable=False).disable and async_tqdm(range(3), disable=False).disable
+    assert vars(std.tqdm)["__init__"] is kept and not tqdm(range(3), disable=False, file=open(os.devnull, "w")).disable
+
+
+def test_the_models_attention_implementation_reads_back_from_its_config():
+    """model/recipe.py, model/attention.py and evaluation/samples.py read `config._attn_implementation` (transformers has
+    no public getter) to learn which attention a model runs, and set it with the public `set_attn_implementation`."""
+    from transformers import PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
+
+    assert isinstance(inspect.getattr_static(PretrainedConfig, "_attn_implementation"), property)
+    net = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=8, max_position_embeddings=64))
+    for name in ("eager", "sdpa"):
+        net.set_attn_implementation(name)
+        assert net.config._attn_implementation == name
 
 
 def test_a_checkpoint_save_goes_through_the_jobs_background_path_and_never_through_transformers_own(demo_assets, tmp_path, monkeypatch):

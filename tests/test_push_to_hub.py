@@ -1,6 +1,6 @@
 """FT_PUSH_TO_HUB: the model card the job writes, and what happens when the hub does not answer.
 
-The hub is not reachable from the tests, so a push that succeeds is not tested here (docs/object-storage.md says so):
+The hub is not reachable from the tests, so a push that succeeds is not tested here (docs/checkpoints.md#hugging-face-hub says so):
 HF_ENDPOINT points huggingface_hub at a closed port on loopback, which is what a hub that does not answer looks like to
 it, and the job must end with exit 8, the model and its card kept, and a retry that only pushes.
 """

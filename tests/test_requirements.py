@@ -36,3 +36,27 @@ def test_the_tests_run_on_the_locked_versions():
         if installed != version:
             differ[name] = f"{installed} installed, {version} locked"
     assert differ == {}
+
+
+def test_every_third_party_module_fulltune_imports_is_pinned_in_requirements_txt():
+    """A module imported by trainer/ or entrypoint.py, not pinned, takes whatever version another package pulls in (tqdm
+    came in through lm-eval and transformers while evaluation/harness.py patched it)."""
+    import ast
+    import sys
+
+    distributions = metadata.packages_distributions()  # import name -> the distributions that provide it
+    pins = set(_pins("requirements.txt"))
+    unpinned = {}
+    for path in [ROOT / "entrypoint.py", *sorted((ROOT / "trainer").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for top in {name.split(".")[0] for name in names} - set(sys.stdlib_module_names) - {"trainer", "__future__"}:
+                provided = {_normal(d) for d in distributions.get(top, [])}
+                if not provided & pins:
+                    unpinned.setdefault(top, set()).add(path.relative_to(ROOT).as_posix())
+    assert {top: sorted(where) for top, where in unpinned.items()} == {}, "pin them in requirements.txt (and requirements.lock)"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import ROOT, job_env, run_job, termination_message
-from trainer.core import config, errors, refusals, schedule, settings, settings_doc
+from trainer.core import config, errors, fields, refusals, schedule, settings, settings_doc
 from trainer.core.errors import ConfigError
 
 # The public names. Removing or renaming one breaks users' manifests: change this set on purpose only.
@@ -195,7 +195,7 @@ def test_every_error_class_has_a_documented_exit_code():
 
 def test_every_setting_has_help_a_type_and_a_group():
     for s in settings.TABLE:
-        assert s.help and s.group and re.fullmatch(r"[a-z0-9_]+", s.name) and s.changes in settings.CHANGES, s
+        assert s.help and s.group and re.fullmatch(r"[a-z0-9_]+", s.name) and s.changes in fields.CHANGES, s
 
 
 def test_the_first_line_names_the_detected_platform_and_what_it_filled_in(tmp_path):

@@ -201,6 +201,33 @@ def test_progress_is_the_whole_jobs_by_stage_and_100_only_when_it_is_done():
     assert telemetry.snapshot().percentage() == 100
 
 
+CLUSTER_DOC = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"
+
+
+def test_the_docs_give_each_stage_the_share_and_each_metric_the_name_the_code_has():
+    """docs/deployment.md's stage shares of the TrainJob's progress are feed.SHARES, and its table of metrics names every metric the
+    endpoint serves (a counter with Prometheus' _total), each stage among the stage gauge's labels."""
+    from trainer.telemetry import feed, metrics
+
+    text = CLUSTER_DOC.read_text()
+    by_stage = text.split("**The whole job, by stage**", 1)[1].split("\n- ", 1)[0]
+    assert {stage: int(share) for stage, share in re.findall(r"`(\w+)`(?:\s+\([^)]*\))?\s+(\d+) %", by_stage)} == feed.SHARES
+
+    class Everything:  # every metric present: a training step with every value, a checkpoint, an ETA
+        cuda, stuck_after_seconds = True, 1800
+
+        def snapshot(self):
+            return feed.Snapshot(stage="training", step=1, max_steps=2, values=dict.fromkeys(["loss", "eval_loss", "lr", "tokens_per_s", "mfu", "mem_gb"], 1.0),
+                                 eta_s=5.0, eta_at=time.monotonic(), last_step_at=time.monotonic(), steps_expected=True, checkpoints=1)
+
+    served = {family.name + ("_total" if family.type == "counter" else "") for family in metrics.Collector(Everything()).collect()}
+    table = text.split("\n### Metrics\n", 1)[1].split("\n#", 1)[0]
+    documented = set(re.findall(r"`(fulltune_\w+)(?:\{\w+\})?`", table))
+    assert documented == served
+    stage_row = next(line for line in table.splitlines() if line.startswith("| `fulltune_stage{stage}`"))
+    assert re.findall(r"`(\w+)`", stage_row.split("|")[3]) == list(metrics.STAGES)
+
+
 @pytest.mark.faults("the TrainJob status server refuses connections")
 def test_a_status_server_that_is_down_costs_one_line_per_outage_and_returns_at_once(capfd):
     from trainer.telemetry import kubeflow

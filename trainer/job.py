@@ -66,20 +66,7 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
                 raise refused
         return
 
-    if settings.preset == "demo":
-        ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
-    locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
-    benchmarks = ranks.main_first(lambda: eval_tasks.resolve(settings.eval_tasks) if ranks.is_main() else None)  # an unknown task: exit 2 now
-    hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
-    hub_push.check_token(settings)  # FT_PUSH_TO_HUB without a token: exit 2 now, not after training
-    # From config.json alone: exit 2 before weights or data are downloaded.  Rank 0 first: it alone fetches config.json from the hub.
-    plan = stepdown.resumed(config, ranks.main_first(lambda: memory.preflight(config)))
-    mirror = ranks.main_first(lambda: restore.from_mirror(config, volume))  # FT_MIRROR_URL: its newest checkpoint, when newer than the volume's
-    layout.check_resumable(manifest.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
-    fetch.model_files(settings)  # a hub model's files, downloaded by rank 0 before any other process reads them
-    tokenizer = model.load_tokenizer(settings)
-    prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
-    job_config.check_fingerprint(config, {"evaluation data": prepared.report.get("eval_source", "")})  # a resume validates on the same rows
+    benchmarks, plan, mirror, tokenizer, prepared = before_training(config, volume)
     if ranks.is_main():
         evaluation.keep_rows(config, prepared.eval, tokenizer)  # the rows the evaluation stage scores, chosen before training
     mirroring = uploads.Uploads(mirror, volume, settings.save_total_limit) if mirror else None
@@ -119,6 +106,27 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
     copies.deliver(config, volume, mirroring)  # FT_MIRROR_URL holds it all (exit 8 past FT_MIRROR_WAIT_SECONDS), then FT_PUSH_TO_HUB
     if refused:
         raise refused  # exit 9, once the copies hold the saved model too
+
+
+def before_training(config: Config, volume: Volume) -> tuple[eval_tasks.Benchmarks | None, memory.Plan, restore.Mirror | None, Any, data.Prepared]:
+    """Every check before the trainer is built, cheapest first, then the tokenizer and the checked, tokenized data: the
+    benchmarks (rank 0), the plan, the mirror, the tokenizer, the data.  tests/test_documented_values.py builds from it too."""
+    settings = config.settings
+    if settings.preset == "demo":
+        ranks.main_first(lambda: demo.ensure_demo(settings.output_dir))
+    locations.check(settings)  # exit 2 for a local FT_MODEL/FT_DATASET that does not exist, before it could be taken for a hub id
+    benchmarks = ranks.main_first(lambda: eval_tasks.resolve(settings.eval_tasks) if ranks.is_main() else None)  # an unknown task: exit 2 now
+    hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
+    hub_push.check_token(settings)  # FT_PUSH_TO_HUB without a token: exit 2 now, not after training
+    # From config.json alone: exit 2 before weights or data are downloaded.  Rank 0 first: it alone fetches config.json from the hub.
+    plan = stepdown.resumed(config, ranks.main_first(lambda: memory.preflight(config)))
+    mirror = ranks.main_first(lambda: restore.from_mirror(config, volume))  # FT_MIRROR_URL: its newest checkpoint, when newer than the volume's
+    layout.check_resumable(manifest.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
+    fetch.model_files(settings)  # a hub model's files, downloaded by rank 0 before any other process reads them
+    tokenizer = model.load_tokenizer(settings)
+    prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
+    job_config.check_fingerprint(config, {"evaluation data": prepared.report.get("eval_source", "")})  # a resume validates on the same rows
+    return benchmarks, plan, mirror, tokenizer, prepared
 
 
 def _evaluate_and_register(config: Config, volume: Volume, metadata: dict[str, str], tracker: Tracker, telemetry: Telemetry,

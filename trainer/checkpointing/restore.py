@@ -72,7 +72,7 @@ def _check_answers(mirror: Mirror) -> None:
                           "create it, or fix the URL") from None
     except PermissionError as error:
         raise ConfigError(f"FT_MIRROR_URL={mirror.shown}: the store refuses these credentials ({objectstore.scrub(str(error))}); "
-                          "docs/object-storage.md#credentials says which each cloud reads") from None
+                          "docs/checkpoints.md#credentials says which each cloud reads") from None
     if why is not None:
         raise MirrorUnusable(f"FT_MIRROR_URL={mirror.shown}: the object store does not answer ({why}). Nothing was trained; "
                              "a retry helps once it answers (AWS_ENDPOINT_URL names an S3-compatible store's address)")

@@ -13,7 +13,6 @@ from trainer.core.config import Config
 from trainer.core.schedule import Schedule
 from trainer.core.volume import Volume
 from trainer.data.prepare import Prepared
-from trainer.model import loading as model
 from trainer.model import memory
 
 
@@ -49,7 +48,7 @@ def print_plan(config: Config, prepared: Prepared, plan: memory.Plan, steps: Sch
 
 def _checkpoint_cost(config: Config, plan: memory.Plan) -> tuple[str, float | None]:
     """The checkpoint's size and how long the volume takes to write it (measured now: 32 MiB, flushed), in words and in seconds."""
-    n_params = model.parameter_count(model.read_config(config.settings), config.settings.trust_remote_code)
+    n_params = plan.parameters  # counted once, by the preflight
     size = config.precision.checkpoint_bytes * n_params
     staging = memory.checkpoint_staging_bytes(config.precision, n_params, plan.strategy, config.world_size)
     speed = saving.write_speed(Volume(config.settings.output_dir).state) if ranks.is_main() else None

@@ -1,4 +1,4 @@
-"""Local path or hub id: the one rule for `FT_MODEL`, `FT_DATASET` and `FT_EVAL_DATASET` (docs/first-hour.md).
+"""Local path or hub id: the one rule for `FT_MODEL`, `FT_DATASET` and `FT_EVAL_DATASET` (docs/preemption-and-failures.md#local-path-or-hub-id).
 
 transformers and datasets each guess for themselves, and a mistyped local path then reaches the hub as a
 "repo id" (a traceback, exit 1, retried by the scheduler).  So the job decides first, with no I/O beyond

@@ -35,9 +35,9 @@ def url_refusal(url: str) -> str | None:
         return None
     parts = urlsplit(url)
     if parts.password is not None or (parts.username and protocol(url) in ("s3", "s3a", "gs", "gcs")):
-        return "must not hold a credential (user:password@): pass it through the cloud's own variables (docs/object-storage.md#credentials)"
+        return "must not hold a credential (user:password@): pass it through the cloud's own variables (docs/checkpoints.md#credentials)"
     if parts.query:
-        return "must not hold a query string (a SAS token is a credential): pass it as AZURE_STORAGE_SAS_TOKEN (docs/object-storage.md#credentials)"
+        return "must not hold a query string (a SAS token is a credential): pass it as AZURE_STORAGE_SAS_TOKEN (docs/checkpoints.md#credentials)"
     return None
 
 

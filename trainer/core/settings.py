@@ -7,36 +7,21 @@ are reported together (environs' `eager=False` + `seal()`), before anything heav
 once per job, in entrypoint.py; the training process receives the result (trainer/core/config.py), never
 the environment.
 
-Which value wins (explicit, platform, preset, default) is precedence.py's; the words of a refusal are refusals.py's.
+Which value wins (explicit, platform, preset, default) is precedence.py's; the words of a refusal are refusals.py's;
+`setting()`, which declares each field, and the table's rows made of the fields are fields.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from trainer.core import refusals
 from trainer.core.errors import ConfigError
+from trainer.core.fields import rows, setting
 from trainer.core.precedence import PREFIX
-
-CHANGES = ("", "data", "training")  # what a setting changes: nothing of the result, the tokenized data, or the training
-INT_MAX = 2**31 - 1  # the largest integer setting unless its field says otherwise: every count stays a 32-bit integer downstream
-
-
-def setting(default: Any, help: str, *, minimum: float | None = None, maximum: int | None = None, changes: str = "", group: str | None = None) -> Any:  # noqa: A002
-    """A field of `Settings`: its default and what the README says of it.
-
-    `maximum` applies to integers only (default INT_MAX); floats must be finite (no `nan`, `inf`).
-
-    `changes`: "data" when it changes the checked, tokenized data (and so the result), "training" when it
-    changes the computation after that; "" for cadence, paths and speed levers that keep the result.
-    `group` starts a new group of the README's table at this field.
-    """
-    assert changes in CHANGES
-    return dataclasses.field(default=default, metadata={"help": help, "minimum": minimum, "maximum": maximum, "changes": changes, "group": group})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +105,7 @@ class Settings:
                                               "checkpoint as the final model; 0 = train all `FT_MAX_STEPS`.", minimum=0)
     eval_samples: int = setting(4, "Validation prompts the model answers greedily at step 0 and after every evaluation, the "
                                    "same ones each time (chosen with `FT_SEED`), written to `FT_OUTPUT_DIR/eval-samples.jsonl` "
-                                   "and the MLflow run; 0 = none ([what they cost](performance.md#sample-answers)).", minimum=0)
+                                   "and the MLflow run; 0 = none ([what they cost](memory-plan.md#sample-answers)).", minimum=0)
     eval_sample_tokens: int = setting(128, "Most new tokens per sample answer (an answer also ends at the end-of-turn token).", minimum=1)
     logging_steps: int = setting(10, "Log loss, learning rate and throughput every N optimizer steps.", minimum=1)
     output_dir: str = setting("/output", "The mounted volume: checkpoints, the final model, the MLflow store when no server is set.")
@@ -143,12 +128,13 @@ class Settings:
                                       "A folder several jobs mount shares them.")
     # -- Object storage and the hub ------------------------------------------------------------
     mirror_url: str = setting("", "An object-store folder (`s3://`, `gs://`, `az://`) that receives each committed checkpoint in the background "
-                                  "and the final model; a job on an empty volume resumes from it. Empty = none ([object storage](object-storage.md)).",
+                                  "and the final model; a job on an empty volume resumes from it. Empty = none "
+                                  "([object storage](checkpoints.md#object-storage)).",
                               group="Object storage and the hub")
     mirror_wait_seconds: int = setting(600, "How long the end of the job waits for `FT_MIRROR_URL` to take the final model and the last checkpoints; "
                                             "past it the job exits 8 with the model kept on the volume, and running it again only uploads.", minimum=0)
     push_to_hub: str = setting("", "A Hugging Face hub repository (`org/name`) that receives the final model and a model card at the end "
-                                   "(`HF_TOKEN` with write access); empty = none ([the hub](object-storage.md#hugging-face-hub)).")
+                                   "(`HF_TOKEN` with write access); empty = none ([the hub](checkpoints.md#hugging-face-hub)).")
     hub_private: bool = setting(True, "Create the `FT_PUSH_TO_HUB` repository private; a repository that exists keeps its visibility.")
     # -- Hardware ------------------------------------------------------------------------------------
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = setting("auto", "`auto`: `bf16-mixed` on a bf16-capable GPU, else `fp32`. `bf16-mixed` keeps "
@@ -160,17 +146,17 @@ class Settings:
     activation_checkpointing: Literal["auto", "full", "selective", "off"] = setting("auto", "Recompute activations in the backward pass instead of keeping "
                                                                                             "them: `full` every decoder layer, `selective` every n-th layer "
                                                                                             "with n as large as the memory plan fits (every layer under "
-                                                                                            "FSDP), `off` none. `auto` "
-                                                                                            "picks the least recomputation that fits, none on CPU ([the "
-                                                                                            "memory plan](performance.md#memory-and-disk-preflight)).")
+                                                                                            "FSDP), `off` none. `auto` picks the least recomputation that "
+                                                                                            "fits, none on CPU ([the memory plan]"
+                                                                                            "(memory-plan.md#the-preflight-memory-disk-and-host-memory)).")
     # -- Throughput ----------------------------------------------------------------------------------
     batch_layout: Literal["auto", "as-set"] = setting("auto", "`auto`: train each optimizer step's `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` "
                                                               "sequences, in the same order and with the same updates, in as few forward passes as the "
                                                               "memory plan fits; `as-set`: exactly `FT_BATCH_SIZE` sequences per pass, as TRL does "
-                                                              "([why](performance.md#what-the-defaults-do)).", group="Throughput")
+                                                              "([why](memory-plan.md#what-the-defaults-do)).", group="Throughput")
     padding_free: Literal["auto", "on", "off"] = setting("auto", "Concatenate the sequences of a forward pass into one row without "
                                                                  "padding (TRL's `padding_free`); each sequence still attends only to "
-                                                                 "itself. `auto`: on ([measured](performance.md#what-the-defaults-do)).")
+                                                                 "itself. `auto`: on ([measured](memory-plan.md#what-the-defaults-do)).")
     optimizer: Literal["auto", "adamw_torch", "adamw_torch_fused"] = setting("auto", "AdamW implementation; the update is the same. `auto`: the fused "
                                                                                      "kernel (one launch for all parameters) on GPU, the loop on CPU.")
     compile: bool = setting(False, "`torch.compile` the model. Off until measured on the target GPU: the first steps compile for minutes.")
@@ -179,17 +165,20 @@ class Settings:
     eval_max_samples: int = setting(0, "Evaluate on at most this many validation rows (the first ones "
                                        "of the split, always the same); 0 = all of them.", minimum=0)
     dataloader_workers: int = setting(0, "Background processes that collate batches; 0 = in the training process, which is enough because rows "
-                                         "are tokenized up front ([measured](performance.md#what-the-defaults-do)).", minimum=0, maximum=256)
+                                         "are tokenized up front ([measured](memory-plan.md#what-the-defaults-do)).", minimum=0, maximum=256)
     preflight: Literal["fail", "warn", "off"] = setting("fail", "Before loading weights: estimate peak GPU memory from the model config and check the volume "
                                                                 "has room for the checkpoints. `fail`: exit 2 with the breakdown and the settings that would "
-                                                                "fit; `warn`: print it and go on ([the preflight](performance.md#memory-and-disk-preflight)).")
+                                                                "fit; `warn`: print it and go on ([the preflight]"
+                                                                "(memory-plan.md#the-preflight-memory-disk-and-host-memory)).")
     gpu_memory_gb: float = setting(0.0, "GPU memory the plan must fit, in GB; 0 = what the device reports. Set "
                                         "it to plan for a smaller card than the one at hand.", minimum=0.0)
     # -- Tracking and registry -----------------------------------------------------------------------
     registered_model: str = setting("main.default.qwen3_4b_assistant", "MLflow registered model name (`catalog.schema.model` on Unity Catalog), also the name "
                                                                        "the served model answers with; empty = do not register. Unset with another `FT_MODEL`: "
-                                                                       "`main.default.<model name>_sft` (docs/first-hour.md).", group="Tracking and registry")
-    run_name: str = setting("", "MLflow run name; empty = `<model name>_full-fine-tuning`, the model's name without its path (docs/first-hour.md).")
+                                                                       "`main.default.<model name>_sft` ([names](preemption-and-failures.md#names)).",
+                                    group="Tracking and registry")
+    run_name: str = setting("", "MLflow run name; empty = `<model name>_full-fine-tuning`, the model's name without its path "
+                                "([names](preemption-and-failures.md#names)).")
     system_metrics: bool = setting(True, "Log CPU/GPU/memory system metrics to the MLflow run.")
     registration_retry_seconds: int = setting(600, "How long the end of the job waits for an MLflow server that does not answer, to send held-back metrics, "
                                                    "register and close the run; past it the job exits 3 with the model kept on the volume, and running it "
@@ -211,7 +200,7 @@ class Settings:
                                                           "([log levels](tracking-and-serving.md#log-levels-ft_log_level)).")
     # -- Monitoring ----------------------------------------------------------------------------------
     metrics_port: int = setting(0, "Port of rank 0's Prometheus endpoint (`/metrics`: step, loss, tokens/s, MFU, memory, checkpoint cost, "
-                                   "seconds since the last optimizer step); 0 = none ([the metrics](cluster.md#metrics)).",
+                                   "seconds since the last optimizer step); 0 = none ([the metrics](deployment.md#metrics)).",
                                 minimum=0, maximum=65535, group="Monitoring")
     stuck_after_seconds: int = setting(1800, "Seconds without an optimizer step, while training, after which the job logs that it is stuck (once) "
                                              "and `fulltune_stuck` turns 1; keep it above the longest evaluation or checkpoint pause. 0 = never.",
@@ -245,61 +234,13 @@ class Settings:
     detected_platform: str = "none"
 
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """One row of the README's table: a `Settings` field seen as an environment variable."""
-
-    name: str  # the field name, e.g. max_steps
-    kind: type | tuple[str, ...]  # int, float, bool, str, or the allowed values
-    default: Any
-    help: str
-    group: str
-    minimum: float | None
-    changes: str
-    maximum: int | None = None  # integers only
-
-    @property
-    def env_name(self) -> str:
-        return PREFIX + self.name.upper()
-
-    @property
-    def allowed(self) -> str:
-        """What a valid value looks like, for error messages."""
-        if isinstance(self.kind, tuple):
-            return "one of " + ", ".join(self.kind)
-        floor = f" >= {self.minimum:g}" if self.minimum is not None else ""
-        ceiling = f" and <= {self.maximum}" if self.maximum is not None else ""
-        return {int: f"an integer{floor}{ceiling}", float: f"a finite number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
-
-    @property
-    def type_name(self) -> str:
-        if isinstance(self.kind, tuple):
-            return " \\| ".join(f"`{c}`" for c in self.kind)
-        return self.kind.__name__
-
-
-def _table() -> tuple[Setting, ...]:
-    hints = typing.get_type_hints(Settings)
-    rows, group = [], ""
-    for f in dataclasses.fields(Settings):
-        if "help" not in f.metadata:
-            continue
-        group = f.metadata["group"] or group
-        kind = hints[f.name]
-        kind = typing.get_args(kind) if typing.get_origin(kind) is Literal else kind
-        maximum = (f.metadata["maximum"] or INT_MAX) if kind is int else None
-        rows.append(Setting(f.name, kind, f.default, f.metadata["help"], group, f.metadata["minimum"], f.metadata["changes"], maximum))
-    return tuple(rows)
-
-
-TABLE = _table()
+TABLE = rows(Settings)
 BY_ENV_NAME = {s.env_name: s for s in TABLE}
 
 
 def load(environ: Mapping[str, str] | None = None) -> Settings:
     """Parse and validate every `FT_*` variable; raise one ConfigError listing all problems."""
     from environs import EnvValidationError
-    from marshmallow.validate import OneOf, Range
 
     from trainer.core import locations, precedence
 
@@ -308,16 +249,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     platform, levels = precedence.layers(environ)
     layered = precedence.layered(levels)
     env = precedence.reader(layered)
-    values = {}
-    for s in TABLE:
-        key = s.name.upper()
-        if isinstance(s.kind, tuple):
-            values[s.name] = env.str(key, s.default, validate=OneOf(s.kind, error="not a valid choice"))
-        else:
-            bounded = s.minimum is not None or s.maximum is not None
-            validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
-            parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[s.kind]  # env.float refuses nan and inf
-            values[s.name] = parse(key, s.default, validate=validate)
+    values = {s.name: s.read(env) for s in TABLE}
     for name in precedence.losers(levels) & {"FT_NUM_EPOCHS", "FT_WARMUP_RATIO"}:  # FT_MAX_STEPS (FT_WARMUP_STEPS) set as explicitly: it wins
         values[BY_ENV_NAME[name].name] = 0.0
     values["output_dir"] = locations.real_path(values["output_dir"])  # one spelling of each local path before anything compares or stores it

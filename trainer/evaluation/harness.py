@@ -48,7 +48,7 @@ def _no_progress_bars(quiet: bool) -> Iterator[None]:
         return
     from tqdm import std
 
-    original = std.tqdm.__init__
+    kept, original = vars(std.tqdm)["__init__"], std.tqdm.__init__  # kept: as the class holds it (tqdm wraps it to read TQDM_*)
 
     def silent(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **(kwargs | {"disable": True}))  # lm-eval passes disable=False itself
@@ -57,7 +57,7 @@ def _no_progress_bars(quiet: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        std.tqdm.__init__ = original
+        std.tqdm.__init__ = kept
 
 
 def metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:

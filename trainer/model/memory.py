@@ -62,6 +62,7 @@ class Plan:
 
     phase: str = "forward"  # of the step, where the peak is
     replicas: int = 1  # fsdp: replicas of the sharded model (HSDP: one per node, sharded within it); else 1
+    parameters: int = 0  # the model's parameter count, as the preflight counted it (trainer/model/loading.py); 0: no model read
 
     @property
     def shards(self) -> int:
@@ -144,7 +145,7 @@ def candidates(
                       "processes": processes, "communicators": communicators}
             each = phases(config, n_params, precision=precision, **layout)
             highest = max(each, key=lambda name: sum(each[name].values()))
-            found.append(Plan(per_pass, passes, every, each[highest], capacity, layers, strategy, processes, highest, replicas))
+            found.append(Plan(per_pass, passes, every, each[highest], capacity, layers, strategy, processes, highest, replicas, n_params))
     return found
 
 

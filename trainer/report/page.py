@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from trainer.core.secrets import SECRET_NAME
+from trainer.data.chatml import IM_END, IM_START
 from trainer.evaluation import scoring
 from trainer.report.chart import chart_png
 from trainer.tracking.server import scrub
@@ -184,7 +185,7 @@ def _answer(sample: dict) -> str:
     return f"<td><pre>{mark}{_e(sample['answer'])}</pre></td>"
 
 
-TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>\n?|$)", re.S)  # ChatML, Qwen's template
+TURN = re.compile(rf"{re.escape(IM_START)}(\w+)\n(.*?)(?:{re.escape(IM_END)}\n?|$)", re.S)  # a ChatML turn (data/chatml.py), Qwen's template
 
 
 def _conversation(prompt: str) -> str:

@@ -6,7 +6,7 @@ registered name, so that `OpenAI(base_url="http://host:8000/v1")` lists it (`mod
     python -m trainer.serving.openai_server /output/final            # the folder on the volume, no registry
 
 Options other than the two below go to `transformers serve` unchanged (`--device`, `--dtype`, `--continuous-batching`,
-`--log-level`, ...).  With GPUs, vLLM's server serves the same folder (docs/serving.md).
+`--log-level`, ...).  With GPUs, vLLM's server serves the same folder (docs/tracking-and-serving.md#serving-the-trained-model).
 
 Why transformers serve and not MLflow: `mlflow models serve` answers `POST /invocations` alone, and MLflow's AI
 Gateway is a proxy to a provider that already speaks OpenAI (its "mlflow-model-serving" provider forwards only the

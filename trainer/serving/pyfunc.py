@@ -125,7 +125,8 @@ def _generation_options(request: dict[str, Any], defaults: Any, room: int) -> di
     if named := [name for name, asked in unsupported.items() if asked]:
         raise MlflowException.invalid_parameter_value(
             f"not supported by this endpoint: {', '.join(named)} (one non-streamed answer, no tools, no penalties); an OpenAI-compatible "
-            "server on the same model streams: python -m trainer.serving.openai_server, or vLLM on its model/ folder (docs/serving.md)"
+            "server on the same model streams: python -m trainer.serving.openai_server, or vLLM on its model/ folder "
+            "(docs/tracking-and-serving.md#serving-the-trained-model)"
         )
     max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
     options: dict[str, Any] = {"max_new_tokens": _bounded(max_tokens, "max_tokens", 1, room) if max_tokens is not None else room}

@@ -4,7 +4,7 @@ Each scrape reads the job's snapshot (trainer/telemetry/feed.py) as it is at tha
 nothing per scrape and nothing per step beyond setting the snapshot's fields.  Names and units follow Prometheus'
 conventions (base units, `_total` for counters, `_ratio` for 0 to 1); a value the job does not have yet, or not on
 this device (MFU on CPU), is left out rather than shown as 0.  The process' own `process_*` metrics come with them.
-The table of names is in docs/cluster.md#metrics.
+The table of names is in docs/deployment.md#metrics.
 """
 
 from __future__ import annotations
