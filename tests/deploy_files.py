@@ -39,7 +39,7 @@ def tool(name: str) -> str:
         how = {"kubectl": "kubectl (its own install; `apt-get install kubectl` where Debian has it)",
                "hadolint": "`pip install -r requirements-dev.txt`"}.get(
             name, "`python3 -m venv .venv-deploy && .venv-deploy/bin/pip install -r deploy/requirements-validators.txt`")
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"{name} is not installed: install it with {how} (.ci/run installs the validators and requires every tool)")
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"{name} is not installed: install it with {how} (.ci/run requires every tool)")
     return found
 
 

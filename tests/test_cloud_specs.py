@@ -73,7 +73,7 @@ def _batch_action(retry: dict, exit_code: int | None, status_reason: str = "") -
 def test_aws_batch_job_definition_validates_and_retries_by_exit_code():
     spec, _ = _validate_aws("batch", "RegisterJobDefinition", DEPLOY / "aws-batch" / "job-definition.json")
     retry = spec["retryStrategy"]
-    for code in (2, 4, 5, 6):  # bad configuration, out of GPU memory, diverged, volume full: a retry cannot help
+    for code in (2, 4, 5, 6, 9):  # bad configuration, out of GPU memory, diverged, volume full, a benchmark fell: a retry cannot help
         assert _batch_action(retry, code) == "EXIT", code
     for code in (1, 3, 7, 75, 76, 77, 137, 143):  # unexpected, registration only, volume leased by another job, stopped, stuck, killed (OOMKilled, SIGTERM)
         assert _batch_action(retry, code) == "RETRY", code

@@ -364,3 +364,20 @@ def test_the_image_set_in_any_overlay_the_documented_ways_is_the_image_of_every_
     images = _images(render(folder))
     assert images.keys() == WITH_IMAGES[overlay], images
     assert all(names == {image} for names in images.values()), images
+
+
+@pytest.mark.parametrize("way", ["kubectl", "kustomize edit"])
+def test_the_image_set_for_the_cluster_runtime_the_documented_ways_is_the_runtimes_image(way, tmp_path):
+    """k8s/kubeflow, applied by itself (docs/deployment.md#install-the-runtime): the lines the page gives, run as they
+    are, or the entry `kustomize edit set image` writes, set the ClusterTrainingRuntime's image."""
+    shutil.copytree(REPO / "k8s", tmp_path / "k8s")
+    folder = tmp_path / "k8s" / "kubeflow"
+    assert _images(render(folder)) == {"ClusterTrainingRuntime": {"fulltune:0.1.0"}}  # until an entry sets the user's
+    if way == "kubectl":
+        text = (REPO / "docs" / "deployment.md").read_text()
+        start = text.index("cat >> k8s/kubeflow/kustomization.yaml <<EOF")
+        lines = text[start : text.index("\nEOF\n", start) + len("\nEOF\n")]
+        subprocess.run(["bash", "-euc", lines], cwd=tmp_path, env={"IMAGE": USER_IMAGE, "PATH": os.environ["PATH"]}, check=True, timeout=60)
+    else:
+        _kustomize_edit_set_image(folder, f"fulltune={USER_IMAGE}")
+    assert _images(render(folder)) == {"ClusterTrainingRuntime": {USER_IMAGE}}
