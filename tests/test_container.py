@@ -359,3 +359,20 @@ def test_a_change_under_trainer_rebuilds_only_the_code_layers_in_seconds(tmp_pat
     changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
     assert changed == [len(before) - 2, len(before) - 1], f"layers rebuilt: {changed} of {len(before)}"  # COPY trainer/, compileall
     assert seconds < 90
+
+
+GS_AND_AZ = """
+from trainer.core import objectstore
+for url, options in (("gs://bucket/chats/train.jsonl", {"token": "anon"}), ("az://container/chats/train.jsonl", {"account_name": "example", "anon": True})):
+    fs, path = objectstore.filesystem(url, "FT_DATASET", **options)
+    print(type(fs).__module__.split(".")[0], path)
+"""
+
+
+def test_the_image_opens_gs_and_az_urls_with_the_pinned_filesystem_packages():
+    """No emulator of GCS or Azure Blob is on the package registries here: the image is held to building the filesystem
+    an s3:// URL's siblings need (gcsfs, adlfs, as pinned), without the network, as the job opens FT_DATASET and FT_MIRROR_URL."""
+    result = containers.engine("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", containers.IMAGE,
+                               "-c", GS_AND_AZ)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split("\n")[:2] == ["gcsfs bucket/chats/train.jsonl", "adlfs container/chats/train.jsonl"], result.stdout
