@@ -108,12 +108,15 @@ class Settings:
     # -- Evaluation and checkpoints ------------------------------------------------------------------
     eval_steps: int = setting(25, "Evaluate every N optimizer steps.", minimum=1, group="Evaluation and checkpoints")
     eval_batch_size: int = setting(1, "Sequences per evaluation forward pass.", minimum=1)
-    save_steps: int = setting(25, "Commit a checkpoint every N optimizer steps. Must be a multiple of "
-                                  "`FT_EVAL_STEPS` (the best model is chosen by eval loss at save time).", minimum=1)
+    save_steps: int | Literal["auto"] = setting(25, "Commit a checkpoint every N optimizer steps, a multiple of `FT_EVAL_STEPS` (the best model is "
+                                                    "chosen by eval loss at save time). `auto`: at the first evaluation step once the measured costs "
+                                                    "allow one: saves block at most 5 % of the wall time and never wait for the one before "
+                                                    "([choosing the cadence](checkpoints.md#choosing-the-cadence)).", minimum=1)
     save_every_minutes: float = setting(0.0, "Also commit a checkpoint at the first evaluation step (every `FT_EVAL_STEPS`) once "
                                              "this many minutes have passed since the last one, to bound the work a hard kill "
-                                             "loses; 0 = by `FT_SAVE_STEPS` only. A stop signal saves anyway (docs/checkpoints.md "
-                                             "says how to choose).", minimum=0.0)
+                                             "loses (with `FT_SAVE_STEPS=auto` too, past 5 % of the wall time if need be, never before the "
+                                             "last save is written); 0 = by `FT_SAVE_STEPS` only. A stop signal saves anyway "
+                                             "(docs/checkpoints.md says how to choose).", minimum=0.0)
     save_total_limit: int = setting(2, "Committed checkpoints to keep (the best one is kept as well).", minimum=1)
     early_stopping_patience: int = setting(0, "Stop training once eval loss has not improved for this many evaluations in a "
                                               "row (transformers' `EarlyStoppingCallback`), still exiting 0 with the best "
@@ -257,6 +260,7 @@ class Setting:
     minimum: float | None
     changes: str
     maximum: int | None = None  # integers only
+    words: tuple[str, ...] = ()  # a number's setting: words it takes instead (`int | Literal["auto"]`: FT_SAVE_STEPS=auto)
 
     @property
     def env_name(self) -> str:
@@ -269,13 +273,14 @@ class Setting:
             return "one of " + ", ".join(self.kind)
         floor = f" >= {self.minimum:g}" if self.minimum is not None else ""
         ceiling = f" and <= {self.maximum}" if self.maximum is not None else ""
-        return {int: f"an integer{floor}{ceiling}", float: f"a finite number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
+        plain = {int: f"an integer{floor}{ceiling}", float: f"a finite number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
+        return plain + "".join(f" or {word}" for word in self.words)
 
     @property
     def type_name(self) -> str:
         if isinstance(self.kind, tuple):
             return " \\| ".join(f"`{c}`" for c in self.kind)
-        return self.kind.__name__
+        return " \\| ".join([self.kind.__name__, *(f"`{word}`" for word in self.words)])
 
 
 def _table() -> tuple[Setting, ...]:
@@ -286,9 +291,13 @@ def _table() -> tuple[Setting, ...]:
             continue
         group = f.metadata["group"] or group
         kind = hints[f.name]
+        words: tuple[str, ...] = ()
+        if typing.get_origin(kind) is typing.Union:  # a number or words: `int | Literal["auto"]`
+            kind, literal = typing.get_args(kind)
+            words = typing.get_args(literal)
         kind = typing.get_args(kind) if typing.get_origin(kind) is Literal else kind
         maximum = (f.metadata["maximum"] or INT_MAX) if kind is int else None
-        rows.append(Setting(f.name, kind, f.default, f.metadata["help"], group, f.metadata["minimum"], f.metadata["changes"], maximum))
+        rows.append(Setting(f.name, kind, f.default, f.metadata["help"], group, f.metadata["minimum"], f.metadata["changes"], maximum, words))
     return tuple(rows)
 
 
@@ -313,6 +322,8 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         key = s.name.upper()
         if isinstance(s.kind, tuple):
             values[s.name] = env.str(key, s.default, validate=OneOf(s.kind, error="not a valid choice"))
+        elif s.words and layered.get(s.env_name) in s.words:
+            values[s.name] = layered[s.env_name]
         else:
             bounded = s.minimum is not None or s.maximum is not None
             validate = Range(min=s.minimum, max=s.maximum, error="out of range") if bounded else None
