@@ -11,7 +11,8 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        before its manifest is (provably inside the save)
   FAULT_SLOW_CHECKPOINT_WRITE=20:30:<file>  the background write of checkpoint 20 writes <file> (its step) and sleeps 30 s
                                        before writing the weights and optimizer states (a stop or a kill that lands
-                                       while a save is in flight, training going on)
+                                       while a save is in flight, training going on); `*:4:<file>`: every checkpoint's
+                                       write sleeps 4 s (a slow volume)
   FAULT_FILL_VOLUME=<file>:<bytes>       fill the volume holding <file> with <file>, leaving <bytes> free (not the job's file:
                                        deleting it is making room), at the moment FAULT_FILL_VOLUME_AT says:
   FAULT_FILL_VOLUME_AT=4               after checkpoint 4 is committed; `final`: just before the final model is saved
@@ -123,9 +124,9 @@ def _slow_checkpoint_write(module):
     original = module.write_snapshot
 
     def write_snapshot(trainer, folder, staged):
-        if os.path.basename(folder) == f"checkpoint-{step}":
+        if step == "*" or os.path.basename(folder) == f"checkpoint-{step}":
             with open(marker, "w") as f:
-                f.write(step)
+                f.write(os.path.basename(folder).rsplit("-", 1)[1])
             time.sleep(float(seconds))
         return original(trainer, folder, staged)
 
