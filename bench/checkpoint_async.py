@@ -96,6 +96,7 @@ def state(args: argparse.Namespace) -> None:
 
 def job(args: argparse.Namespace) -> None:
     """The job on a random-init model with the demo's tokenizer and data; wall seconds with saves and without."""
+    from trainer.console.progress import parse_line
     from trainer.data import demo
 
     os.makedirs(args.out, exist_ok=True)
@@ -132,7 +133,7 @@ def job(args: argparse.Namespace) -> None:
                 raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
             lines = [line for line in done.stdout.splitlines() if "checkpoint_blocked_share=" in line]
             walls[kind].append(wall)
-            blocked[kind].append(lines[-1].split("checkpoint_blocked_share=")[1] if lines else "-")
+            blocked[kind].append(parse_line(lines[-1])["checkpoint_blocked_share"] if lines else "-")
             print(f"round {round_ + 1} {kind}: {wall:.1f} s, blocked share {blocked[kind][-1]} (load {os.getloadavg()[0]:.1f})", flush=True)
             shutil.rmtree(out, ignore_errors=True)
     print(f"| job ({args.steps} steps) | wall (s), each round | median | share of wall blocked on checkpoints (last save's line) |")

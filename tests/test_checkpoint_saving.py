@@ -139,22 +139,22 @@ def test_a_writer_process_that_dies_leaves_the_checkpoint_uncommitted_and_the_er
 
 def test_save_every_minutes_saves_at_the_first_evaluation_step_after_the_interval():
     saver = commits.CommitCheckpoints(keep=2, every_minutes=1 / 60)  # one second
-    args = SimpleNamespace(eval_steps=5)
+    args = SimpleNamespace(eval_steps=5, save_steps=1000)
 
     def due(step: int) -> bool:
         control = SimpleNamespace(should_save=False)
-        saver.on_step_end(args, SimpleNamespace(global_step=step), control)
+        saver.on_step_end(args, SimpleNamespace(global_step=step, max_steps=1000), control)
         return control.should_save
 
-    saver.last_save = time.monotonic()
+    saver.cadence.last_save = time.monotonic()
     assert not due(5)  # the interval has not passed
-    saver.last_save -= 2
+    saver.cadence.last_save -= 2
     assert not due(6)  # passed, but not an evaluation step
     assert due(10)
     off = commits.CommitCheckpoints(keep=2)  # FT_SAVE_EVERY_MINUTES=0: by FT_SAVE_STEPS only
-    off.last_save -= 3600
+    off.cadence.last_save -= 3600
     control = SimpleNamespace(should_save=False)
-    off.on_step_end(args, SimpleNamespace(global_step=10), control)
+    off.on_step_end(args, SimpleNamespace(global_step=10, max_steps=1000), control)
     assert not control.should_save
 
 

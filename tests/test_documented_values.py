@@ -293,6 +293,13 @@ def padded(trainer, prepared, out, log):
     assert not getattr(trainer.data_collator, "padding_free", False)
 
 
+def saves_at_evaluation_steps_by_cost(trainer, prepared, out, log):
+    """FT_SAVE_STEPS=auto: the Trainer's own saves are moved past the last step (a multiple of FT_EVAL_STEPS), the job's saver
+    decides at evaluation steps, and the last step saves."""
+    assert trainer.args.save_steps == STEPS + 1 and trainer.saver.cadence.auto  # FT_EVAL_STEPS=1
+    assert (out / "checkpoints" / f"checkpoint-{STEPS}" / "commit.json").exists()
+
+
 def one_committed_checkpoint_plus_the_best(trainer, prepared, out, log):
     kept = sorted(p.name for p in (out / "checkpoints").glob("checkpoint-*"))
     best = Path(trainer.state.best_model_checkpoint).name
@@ -332,6 +339,7 @@ RUNS = {
     "FT_SEED=0": ({"FT_SEED": "0"}, seeded(0)),
     "FT_EVAL_STEPS=1": ({"FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1", "FT_EVAL_BATCH_SIZE": "1"}, evaluated_on(4)),
     "FT_EVAL_BATCH_SIZE=16": ({"FT_EVAL_BATCH_SIZE": "16", "FT_EVAL_FRACTION": "0.75"}, one_evaluation_batch_of(12)),
+    "FT_SAVE_STEPS=auto": ({"FT_SAVE_STEPS": "auto", "FT_EVAL_STEPS": "1"}, saves_at_evaluation_steps_by_cost),
     "FT_SAVE_TOTAL_LIMIT=1": ({"FT_SAVE_TOTAL_LIMIT": "1", "FT_EVAL_STEPS": "1", "FT_SAVE_STEPS": "1"}, one_committed_checkpoint_plus_the_best),
     "FT_PRECISION=auto": ({"FT_PRECISION": "auto"}, fp32_weights),  # on a CPU: fp32
     "FT_PRECISION=fp32": ({"FT_PRECISION": "fp32"}, fp32_weights),
@@ -472,6 +480,8 @@ def test_every_setting_is_run_here_or_by_a_named_test():
     for env_name, setting in settings_table.BY_ENV_NAME.items():  # every choice of a choice setting is run or refused
         if isinstance(setting.kind, tuple) and env_name not in ELSEWHERE:
             assert {f"{env_name}={choice}" for choice in setting.kind} - set(RUNS) - set(REFUSED) <= {f"{env_name}={setting.default}"}, env_name
+        if setting.words and env_name not in ELSEWHERE:  # so is every word a number's setting takes (FT_SAVE_STEPS=auto)
+            assert {f"{env_name}={word}" for word in setting.words} <= set(RUNS) | set(REFUSED), env_name
 
 
 def test_allow_config_change_resumes_despite_a_changed_setting(demo_assets, files, tmp_path):

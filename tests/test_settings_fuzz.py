@@ -73,8 +73,8 @@ def assert_usable(config: job_config.Config) -> None:
     values = config.settings
     for s in settings_table.TABLE:
         value = getattr(values, s.name)
-        if isinstance(s.kind, tuple):
-            assert value in s.kind, (s.env_name, value)
+        if isinstance(s.kind, tuple) or value in s.words:
+            assert value in (s.kind if isinstance(s.kind, tuple) else s.words), (s.env_name, value)
             continue
         assert type(value) is s.kind, (s.env_name, value)
         if s.kind in (int, float):

@@ -74,14 +74,15 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
         mirroring.committed()  # the fingerprint, and what an earlier attempt committed but did not upload
     steps = schedule.of(settings, len(prepared.train), config.world_size)  # FT_MAX_STEPS or FT_NUM_EPOCHS, now that the rows are known
     tracker.planned_steps = steps.steps
-    stopper.know_the_save(overview.print_plan(config, prepared, plan, steps), volume.checkpoints)  # a stop that cannot save in time says so
+    write_seconds = overview.print_plan(config, prepared, plan, steps)  # one checkpoint's write on this volume, as its speed measured now predicts
+    stopper.know_the_save(write_seconds, volume.checkpoints)  # a stop that cannot save in time says so
     _debug(settings, "data checked")
     tracker.start()  # exit 2 here for a tracking URI MLflow cannot use; the store and the run open in the background
     with tracker:
         tracker.log(**data_report.tracked(prepared.report))
         run_report = report.RunReport(_report_facts(config, plan, prepared, steps), tracker, committed=lambda: _committed(volume))
         try:
-            trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, telemetry, mirroring)
+            trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, telemetry, mirroring, write_seconds)
         except Preempted:
             uploads.after_stop(mirroring, stopper)
             raise
@@ -173,13 +174,14 @@ def _debug(settings: Any, stage: str) -> None:
 
 def build_trainer(
     config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = (),
-    telemetry: Telemetry | None = None, after_commit: Any = None,
+    telemetry: Telemetry | None = None, after_commit: Any = None, write_seconds: float | None = None,
 ) -> Any:
     """The job's SFTTrainer for a configuration (bench/ measures exactly this one).
 
     `tracker`: the job's run (none: a Trainer that tracks nothing); `net`: an already built model instead of
     loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B); `telemetry`: what the cluster sees (none: nothing);
-    `after_commit(folder)`: told of each committed checkpoint.
+    `after_commit(folder)`: told of each committed checkpoint; `write_seconds`: one checkpoint's write as predicted at
+    start, which FT_SAVE_STEPS=auto goes by until a write is measured.
     """
     from transformers import EarlyStoppingCallback, PrinterCallback
     from transformers.integrations import KubeflowCallback
@@ -195,7 +197,9 @@ def build_trainer(
     args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None, steps=steps)
     sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
     refuse = divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete)  # a NaN save never counts
-    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda, after_commit=after_commit)
+    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda, after_commit=after_commit,
+                                          auto=settings.save_steps == "auto")
+    saver.cadence.expected_write = write_seconds
     trainer = job_trainer.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer, saving in the background; under FSDP it shards on CPU processes too
         saver=saver,
         model=net,
@@ -224,7 +228,7 @@ def build_trainer(
 
 def train(
     config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport,
-    tracker: Tracker, telemetry: Telemetry, mirroring: uploads.Uploads | None = None,
+    tracker: Tracker, telemetry: Telemetry, mirroring: uploads.Uploads | None = None, write_seconds: float | None = None,
 ) -> Any:
     """Train from the newest committed checkpoint (or step 0); return the trainer holding the best model.  A stop
     raises Preempted (on every rank: they agree on the step, trainer/checkpointing/preemption.py) once the run report says so."""
@@ -236,7 +240,7 @@ def train(
         if stopper.requested:
             raise Preempted("stopped before training started; the committed checkpoints are unchanged")
         trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry,
-                                after_commit=mirroring.committed if mirroring else None)
+                                after_commit=mirroring.committed if mirroring else None, write_seconds=write_seconds)
         trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
         stopper.saves = trainer.saver.saves  # a stop can commit the save in flight instead of starting another
         tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))

@@ -7,11 +7,15 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        PID 1), which forwards it: a stop that lands at a known step
   FAULT_HANG_AT_STEP=12:6              when step 12 ends, the training thread sleeps 6 s before that step's other callbacks
                                        run (a hung GPU or volume; 600: for good)
+  FAULT_HOLD_AT_STEP=3:<file>          when step 3 ends, the training thread writes <file>.held and waits (up to 600 s) until
+                                       <file> exists, before that step's other callbacks run (a stop that lands at a known
+                                       step, once what the test waits for, say a commit, has happened)
   FAULT_KILL_BEFORE_COMMIT_AT_STEP=20  SIGKILL the training process after checkpoint 20's files are written,
                                        before its manifest is (provably inside the save)
   FAULT_SLOW_CHECKPOINT_WRITE=20:30:<file>  the background write of checkpoint 20 writes <file> (its step) and sleeps 30 s
                                        before writing the weights and optimizer states (a stop or a kill that lands
-                                       while a save is in flight, training going on)
+                                       while a save is in flight, training going on); `*:4:<file>`: every checkpoint's
+                                       write sleeps 4 s (a slow volume)
   FAULT_FILL_VOLUME=<file>:<bytes>       fill the volume holding <file> with <file>, leaving <bytes> free (not the job's file:
                                        deleting it is making room), at the moment FAULT_FILL_VOLUME_AT says:
   FAULT_FILL_VOLUME_AT=4               after checkpoint 4 is committed; `final`: just before the final model is saved
@@ -69,12 +73,19 @@ def _step_faults(module):
     seconds = float(os.environ.get("FAULT_SECONDS_PER_STEP") or 0)
     stop_at = int(os.environ.get("FAULT_SIGTERM_AT_STEP") or 0)
     hang_at, _, hang_seconds = (os.environ.get("FAULT_HANG_AT_STEP") or "0:0").partition(":")
+    hold_at, _, hold_until = (os.environ.get("FAULT_HOLD_AT_STEP") or "0:").partition(":")
     original = module.StopOnSignal.on_step_end
 
     def on_step_end(self, args, state, control, **kwargs):
         time.sleep(seconds)
         if state.global_step == int(hang_at):
             time.sleep(float(hang_seconds))
+        if state.global_step == int(hold_at):
+            with open(f"{hold_until}.held", "w") as f:
+                f.write(str(state.global_step))
+            began = time.monotonic()
+            while not os.path.exists(hold_until) and time.monotonic() - began < 600:
+                time.sleep(0.05)
         if state.global_step == stop_at:
             os.kill(os.getppid(), signal.SIGTERM)
             time.sleep(1)  # the forwarded signal arrives within this step
@@ -100,7 +111,7 @@ def _hold_after_stop_commit(module):
 
 
 def _preemption_faults(module):
-    if os.environ.get("FAULT_SECONDS_PER_STEP") or os.environ.get("FAULT_SIGTERM_AT_STEP") or os.environ.get("FAULT_HANG_AT_STEP"):
+    if any(os.environ.get(name) for name in ("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HANG_AT_STEP", "FAULT_HOLD_AT_STEP")):
         _step_faults(module)
     if os.environ.get("FAULT_HOLD_AFTER_STOP_COMMIT"):
         _hold_after_stop_commit(module)
@@ -123,9 +134,9 @@ def _slow_checkpoint_write(module):
     original = module.write_snapshot
 
     def write_snapshot(trainer, folder, staged):
-        if os.path.basename(folder) == f"checkpoint-{step}":
+        if step == "*" or os.path.basename(folder) == f"checkpoint-{step}":
             with open(marker, "w") as f:
-                f.write(step)
+                f.write(os.path.basename(folder).rsplit("-", 1)[1])
             time.sleep(float(seconds))
         return original(trainer, folder, staged)
 
@@ -370,8 +381,8 @@ def _hold_evaluation(module):
 
 PATCHES = {  # module -> (variables, patch)
     "trainer.evaluation.stage": (("FAULT_HOLD_EVALUATION",), _hold_evaluation),
-    "trainer.checkpointing.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HANG_AT_STEP", "FAULT_HOLD_AFTER_STOP_COMMIT"),
-                                         _preemption_faults),
+    "trainer.checkpointing.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HANG_AT_STEP", "FAULT_HOLD_AT_STEP",
+                                          "FAULT_HOLD_AFTER_STOP_COMMIT"), _preemption_faults),
     "trainer.checkpointing.manifest": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
     "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES", "FAULT_NAN_LOSS_ON_RANK"), _model_faults),

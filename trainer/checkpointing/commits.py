@@ -19,6 +19,7 @@ from collections.abc import Callable
 from transformers import TrainerCallback
 
 from trainer.checkpointing import saving
+from trainer.checkpointing.cadence import Cadence
 from trainer.checkpointing.manifest import commit, committed, committed_bytes, damage, folders, last_committed, read_manifest
 from trainer.core import ranks
 
@@ -85,17 +86,17 @@ class CommitCheckpoints(TrainerCallback):
     """The job's checkpoint saves (checkpointing/saving.py takes the Trainer's `_save_checkpoint` over): check the
     weights are finite, snapshot, then in the background write, commit and apply our retention.
 
-    `every_minutes`: also save at the first evaluation step once that many minutes have passed since the last save.
+    `every_minutes`: also save at the first evaluation step once that many minutes have passed since the last save;
+    `auto` (FT_SAVE_STEPS=auto): save at evaluation steps as the measured costs allow (checkpointing/cadence.py).
     """
 
     def __init__(self, keep: int, refuse: TrainerCallback | None = None, every_minutes: float = 0.0, pinned: bool = False,
-                 after_commit: Callable[[str], None] | None = None):
+                 after_commit: Callable[[str], None] | None = None, auto: bool = False):
         self.keep = keep
         self.after_commit = after_commit  # uploads.Uploads.committed: FT_MIRROR_URL gets it in the background
         self.refuse = refuse  # divergence.RefuseNonFiniteCheckpoint: a save whose weights are not finite never counts
-        self.every_seconds = every_minutes * 60
         self.saves = saving.Saves(pinned)
-        self.last_save = time.monotonic()
+        self.cadence = Cadence(self.saves.costs, every_minutes, auto)
         self.saved_step: int | None = None  # the step `save_checkpoint` saved last (a plain Trainer never calls it)
 
     @property
@@ -106,7 +107,8 @@ class CommitCheckpoints(TrainerCallback):
         if self.refuse is not None:  # written whole in the foreground first, so that it can be set aside as it is
             self.refuse.refuse(trainer.args, trainer.state, trainer.model, write=lambda: self._write_now(trainer, trial))
         saving.save(trainer, trial, self.saves, self._commit)
-        self.last_save, self.saved_step = time.monotonic(), trainer.state.global_step
+        self.cadence.saved()
+        self.saved_step = trainer.state.global_step
         if trainer.control.should_training_stop:  # a stop, early stopping or the last step: committed before `on_save`
             self.wait_for_saves()
 
@@ -142,14 +144,17 @@ class CommitCheckpoints(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.saves.costs.began = time.perf_counter()
-        self.last_save = time.monotonic()
+        self.cadence.started(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.saves.raise_if_failed()
-        if not self.every_seconds or control.should_save or state.global_step % args.eval_steps:
+        if ranks.is_main() and (line := self.cadence.cost_line(state.global_step, args.save_steps, args.eval_steps)):
+            print(line, flush=True)
+        cadence = self.cadence
+        if not (cadence.bound or cadence.auto) or control.should_save or state.global_step % args.eval_steps:
             return control
         # every rank decides alike (their clocks do not): the main rank's clock decides
-        if ranks.any_rank(ranks.is_main() and time.monotonic() - self.last_save >= self.every_seconds):
+        if ranks.any_rank(ranks.is_main() and cadence.due(state.global_step, state.max_steps, self.saves.in_flight)):
             control.should_save = True
         return control
 

@@ -43,6 +43,7 @@ class Costs:
     began: float | None = None  # perf_counter at the start of training
     blocked: list[float] = dataclasses.field(default_factory=list)  # seconds training waited, per save
     waited: float = 0.0  # of those, seconds spent waiting for the previous save to finish
+    own: list[float] = dataclasses.field(default_factory=list)  # of each save's, the seconds it blocked for itself (no wait for the one before)
     background: list[float] = dataclasses.field(default_factory=list)  # seconds each background write and commit took
     touched: list[int] = dataclasses.field(default_factory=list)  # bytes of pages training touched while a forked writer ran
     bytes: int = 0  # of the last committed checkpoint
@@ -63,6 +64,7 @@ class Costs:
             "checkpoint_blocked_total_s": sum(self.blocked),
             "checkpoint_blocked_share": self.share,
             "checkpoint_saves": len(self.blocked),
+            "checkpoint_waited_s": self.waited,
         }
 
 
@@ -175,7 +177,8 @@ def save(trainer: Any, trial: Any, saves: Saves, committed: Callable[[str, int, 
     from transformers.trainer_callback import ExportableState
 
     began = time.perf_counter()
-    saves.costs.waited += saves.wait()  # at most one save in flight
+    waited = saves.wait()  # at most one save in flight
+    saves.costs.waited += waited
     args, state = trainer.args, trainer.state
     trainer.store_flos()
     run_dir = trainer._get_output_dir(trial=trial)
@@ -219,6 +222,7 @@ def save(trainer: Any, trial: Any, saves: Saves, committed: Callable[[str, int, 
     else:
         finish()
     saves.costs.blocked.append(time.perf_counter() - began)
+    saves.costs.own.append(saves.costs.blocked[-1] - waited)
     return folder
 
 

@@ -27,6 +27,8 @@ def print_plan(config: Config, prepared: Prepared, plan: memory.Plan, steps: Sch
     regrouped = "regrouped to fit the device (FT_BATCH_LAYOUT=auto)" if settings.batch_layout == "auto" else "as set (FT_BATCH_LAYOUT=as-set)"
     warmup = f"FT_WARMUP_RATIO={settings.warmup_ratio:g}" if settings.warmup_ratio else "FT_WARMUP_STEPS"
     by_time = f" or at the first evaluation {settings.save_every_minutes:g} min after the last" if settings.save_every_minutes else ""
+    if settings.save_every_minutes and settings.save_steps == "auto":
+        by_time = f", and at least every {settings.save_every_minutes:g} min (FT_SAVE_EVERY_MINUTES) once the last write has ended"
     early = f" (stop after {settings.early_stopping_patience} without improvement)" if settings.early_stopping_patience else ""
     n_train, n_eval = len(prepared.train), len(prepared.eval) if prepared.eval is not None else 0
     cost, write_seconds = _checkpoint_cost(config, plan)
@@ -38,12 +40,19 @@ def print_plan(config: Config, prepared: Prepared, plan: memory.Plan, steps: Sch
         f"  each step{per_process}: {plan.sequences_per_pass} sequences x {plan.passes_per_step} passes (FT_BATCH_SIZE={settings.batch_size} x "
         f"FT_GRADIENT_ACCUMULATION_STEPS={settings.gradient_accumulation_steps}, {regrouped}); warm-up {steps.warmup_steps} steps ({warmup}),"
         f" then {settings.lr_scheduler}\n"
-        f"  eval every {settings.eval_steps} steps{early}, checkpoint every {settings.save_steps} steps{by_time} (keep {settings.save_total_limit} + best)"
+        f"  eval every {settings.eval_steps} steps{early}, {_cadence(settings)}{by_time} (keep {settings.save_total_limit} + best)"
         f" in {Volume(settings.output_dir).checkpoints}\n"
         f"  {cost}",
         flush=True,
     )
     return write_seconds
+
+
+def _cadence(settings) -> str:
+    if settings.save_steps != "auto":
+        return f"checkpoint every {settings.save_steps} steps"
+    return ("checkpoint at evaluation steps as the measured costs allow (FT_SAVE_STEPS=auto: saves block at most 5 % of the wall time "
+            "and never wait for the one before; until the first is measured, the write time below decides)")
 
 
 def _checkpoint_cost(config: Config, plan: memory.Plan) -> tuple[str, float | None]:

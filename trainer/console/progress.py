@@ -12,7 +12,9 @@ loss recomputes; tests/test_progress_flops.py holds it to torch's FlopCounterMod
 wall time per step so far, evaluations included.  Keys without a value on this device are left out.
 At each checkpoint save a line says what it cost (checkpointing/saving.py):
 
-    fulltune: step=25/50 checkpoint_blocked_s=0.84 checkpoint_blocked_share=0.012
+    fulltune: step=25/50 checkpoint_blocked_s=0.84 checkpoint_blocked_share=0.012 checkpoint_waited_s=0.00
+
+(`checkpoint_waited_s`: of the seconds blocked so far, those spent waiting for the previous save's write.)
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def flops_per_token(config: Any, n_params: int, mean_sequence: float) -> float:
 
 FORMATS = {
     "loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}",
-    "checkpoint_blocked_s": "{:.2f}", "checkpoint_blocked_share": "{:.3f}",
+    "checkpoint_blocked_s": "{:.2f}", "checkpoint_blocked_share": "{:.3f}", "checkpoint_waited_s": "{:.2f}",
 }  # fmt: skip
 
 
@@ -115,7 +117,8 @@ class Progress(TrainerCallback):
         if costs is None or not costs.blocked:
             return
         step = f"{state.global_step}/{state.max_steps}"
-        print(format_line({"step": step, "checkpoint_blocked_s": costs.last, "checkpoint_blocked_share": costs.share}), flush=True)
+        print(format_line({"step": step, "checkpoint_blocked_s": costs.last, "checkpoint_blocked_share": costs.share, "checkpoint_waited_s": costs.waited}),
+              flush=True)
         self.telemetry.checkpoint(costs.last, costs.share)
         self.tracker.log_metrics(costs.summary(), state.global_step)
 

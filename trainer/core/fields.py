@@ -9,6 +9,7 @@ settings.py declares every field with `setting()` and builds its table with `row
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any, Literal
 
@@ -43,6 +44,7 @@ class Setting:
     minimum: float | None
     changes: str
     maximum: int | None = None  # integers only
+    words: tuple[str, ...] = ()  # a number's setting: words it takes instead (`int | Literal["auto"]`: FT_SAVE_STEPS=auto)
 
     @property
     def env_name(self) -> str:
@@ -55,22 +57,26 @@ class Setting:
             return "one of " + ", ".join(self.kind)
         floor = f" >= {self.minimum:g}" if self.minimum is not None else ""
         ceiling = f" and <= {self.maximum}" if self.maximum is not None else ""
-        return {int: f"an integer{floor}{ceiling}", float: f"a finite number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
+        plain = {int: f"an integer{floor}{ceiling}", float: f"a finite number{floor}, e.g. {self.default}", bool: "true or false", str: "text"}[self.kind]
+        return plain + "".join(f" or {word}" for word in self.words)
 
     @property
     def type_name(self) -> str:
         if isinstance(self.kind, tuple):
             return " \\| ".join(f"`{c}`" for c in self.kind)
-        return self.kind.__name__
+        return " \\| ".join([self.kind.__name__, *(f"`{word}`" for word in self.words)])
 
-    def read(self, env: Any) -> Any:
+    def read(self, env: Any, raw: str | None = None) -> Any:
         """This setting's value from environs' `env` (precedence.reader), its default when unset; a value that does not
-        parse or is out of bounds is collected by `env` and reported when it is sealed."""
+        parse or is out of bounds is collected by `env` and reported when it is sealed.  `raw`: the value as set, for
+        the words a number's setting takes instead (`auto`)."""
         from marshmallow.validate import OneOf, Range
 
         key = self.name.upper()
         if isinstance(self.kind, tuple):
             return env.str(key, self.default, validate=OneOf(self.kind, error="not a valid choice"))
+        if self.words and raw in self.words:
+            return raw
         bounded = self.minimum is not None or self.maximum is not None
         validate = Range(min=self.minimum, max=self.maximum, error="out of range") if bounded else None
         parse = {int: env.int, float: env.float, bool: env.bool, str: env.str}[self.kind]  # env.float refuses nan and inf
@@ -86,7 +92,11 @@ def rows(settings_class: type) -> tuple[Setting, ...]:
             continue
         group = f.metadata["group"] or group
         kind = hints[f.name]
+        words: tuple[str, ...] = ()
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # a number or words: `int | Literal["auto"]`
+            kind, literal = typing.get_args(kind)
+            words = typing.get_args(literal)
         kind = typing.get_args(kind) if typing.get_origin(kind) is Literal else kind
         maximum = (f.metadata["maximum"] or INT_MAX) if kind is int else None
-        found.append(Setting(f.name, kind, f.default, f.metadata["help"], group, f.metadata["minimum"], f.metadata["changes"], maximum))
+        found.append(Setting(f.name, kind, f.default, f.metadata["help"], group, f.metadata["minimum"], f.metadata["changes"], maximum, words))
     return tuple(found)

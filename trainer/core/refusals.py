@@ -25,7 +25,7 @@ def cross_checks(values: dict[str, Any], invalid: set[str] | frozenset[str] = fr
     def parsed(*names: str) -> bool:
         return not invalid.intersection(names)
 
-    if parsed("save_steps", "eval_steps") and values["save_steps"] % values["eval_steps"]:
+    if parsed("save_steps", "eval_steps") and values["save_steps"] != "auto" and values["save_steps"] % values["eval_steps"]:  # auto saves at evaluation steps
         problems["FT_SAVE_STEPS"] = (f"must be a multiple of FT_EVAL_STEPS={values['eval_steps']} so "
                                      "every checkpoint has an eval loss for picking the best model")
     if parsed("batch_size", "gradient_accumulation_steps") and values["batch_size"] * values["gradient_accumulation_steps"] > MAX_SEQUENCES_PER_STEP:

@@ -93,12 +93,15 @@ class Settings:
     # -- Evaluation and checkpoints ------------------------------------------------------------------
     eval_steps: int = setting(25, "Evaluate every N optimizer steps.", minimum=1, group="Evaluation and checkpoints")
     eval_batch_size: int = setting(1, "Sequences per evaluation forward pass.", minimum=1)
-    save_steps: int = setting(25, "Commit a checkpoint every N optimizer steps. Must be a multiple of "
-                                  "`FT_EVAL_STEPS` (the best model is chosen by eval loss at save time).", minimum=1)
+    save_steps: int | Literal["auto"] = setting(25, "Commit a checkpoint every N optimizer steps, a multiple of `FT_EVAL_STEPS` (the best model is "
+                                                    "chosen by eval loss at save time). `auto`: at the first evaluation step once the measured costs "
+                                                    "allow one: saves block at most 5 % of the wall time and never wait for the one before "
+                                                    "([choosing the cadence](checkpoints.md#choosing-the-cadence)).", minimum=1)
     save_every_minutes: float = setting(0.0, "Also commit a checkpoint at the first evaluation step (every `FT_EVAL_STEPS`) once "
                                              "this many minutes have passed since the last one, to bound the work a hard kill "
-                                             "loses; 0 = by `FT_SAVE_STEPS` only. A stop signal saves anyway (docs/checkpoints.md "
-                                             "says how to choose).", minimum=0.0)
+                                             "loses (with `FT_SAVE_STEPS=auto` too, past 5 % of the wall time if need be, never before the "
+                                             "last save is written); 0 = by `FT_SAVE_STEPS` only. A stop signal saves anyway "
+                                             "(docs/checkpoints.md says how to choose).", minimum=0.0)
     save_total_limit: int = setting(2, "Committed checkpoints to keep (the best one is kept as well).", minimum=1)
     early_stopping_patience: int = setting(0, "Stop training once eval loss has not improved for this many evaluations in a "
                                               "row (transformers' `EarlyStoppingCallback`), still exiting 0 with the best "
@@ -249,7 +252,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     platform, levels = precedence.layers(environ)
     layered = precedence.layered(levels)
     env = precedence.reader(layered)
-    values = {s.name: s.read(env) for s in TABLE}
+    values = {s.name: s.read(env, layered.get(s.env_name)) for s in TABLE}
     for name in precedence.losers(levels) & {"FT_NUM_EPOCHS", "FT_WARMUP_RATIO"}:  # FT_MAX_STEPS (FT_WARMUP_STEPS) set as explicitly: it wins
         values[BY_ENV_NAME[name].name] = 0.0
     values["output_dir"] = locations.real_path(values["output_dir"])  # one spelling of each local path before anything compares or stores it

@@ -205,8 +205,9 @@ def check_disk(settings: Settings, n_params: int, precision: Precision) -> str |
     free = free_bytes(settings.output_dir)
     checkpoint_dir = Volume(settings.output_dir).checkpoints
     existing = sum(1 for n in os.listdir(checkpoint_dir) if n.startswith("checkpoint-")) if os.path.isdir(checkpoint_dir) else 0
-    # by epochs the steps are known once the rows are: count every retained checkpoint
-    steps_saved = settings.max_steps // settings.save_steps if not settings.num_epochs else settings.save_total_limit + 2
+    # by epochs the steps are known once the rows are, and FT_SAVE_STEPS=auto's saves once training runs: count every retained checkpoint
+    by_count = not settings.num_epochs and settings.save_steps != "auto"
+    steps_saved = settings.max_steps // settings.save_steps if by_count else settings.save_total_limit + 2
     retained = min(settings.save_total_limit + 2, steps_saved)  # + the best + the one written before rotation
     new = max(retained - existing, 0)
     final = precision.serving_bytes * n_params

@@ -132,6 +132,14 @@ def hybrid_sharding(plan: Any) -> Any:
     return ParallelismConfig(dp_replicate_size=plan.replicas, dp_shard_size=plan.processes // plan.replicas)
 
 
+def save_steps(settings: Settings, max_steps: int) -> int:
+    """FT_SAVE_STEPS, or with `auto` the first multiple of FT_EVAL_STEPS past the last step: the Trainer's own step-based
+    saves never come, the job's saver decides at evaluation steps (checkpointing/cadence.py), and the last step saves."""
+    if settings.save_steps != "auto":
+        return settings.save_steps
+    return settings.eval_steps * (max_steps // settings.eval_steps + 1)
+
+
 def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, evaluate: bool = True, steps: Schedule | None = None) -> Any:
     """`plan` (trainer.model.memory.Plan) gives the passes per step and which layers recompute their activations.
 
@@ -161,7 +169,7 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         eval_strategy="steps" if evaluate else "no",
         eval_steps=settings.eval_steps,
         save_strategy="steps",
-        save_steps=settings.save_steps,
+        save_steps=save_steps(settings, steps.steps if steps else settings.max_steps),
         save_total_limit=None,
         logging_steps=settings.logging_steps,
         metric_for_best_model="eval_loss" if evaluate else None,
