@@ -2,7 +2,7 @@
 """Measured step times of memory-plan layouts against the plan's cost model (trainer/model/step_cost.py).
 
     .venv/bin/python bench/step_cost.py                         # CPU: a tiny Qwen3, 4 layouts interleaved, ~20 s
-    python bench/step_cost.py --gpu --json                      # GPU: Qwen3-4B's sizes with 6 of its 36 layers, ~2 min
+    bash bench/gpu_check.sh --step-cost                         # GPU: Qwen3-4B's sizes with 6 of its 36 layers, ~2 min
     python bench/step_cost.py --layouts 8x1:0,1x8:1:offload     # sequences x passes : checkpoint_every [: offload]
 
 Each layout is one optimizer step of 8 sequences as the job trains it: padding-free passes through the job's
@@ -54,9 +54,8 @@ def build(config_values: dict[str, Any], layout: dict[str, Any], cuda: bool) -> 
     from trainer.model import recipe
 
     torch.manual_seed(0)
-    net = Qwen3ForCausalLM(Qwen3Config(**config_values))
-    if cuda:
-        net = net.cuda()
+    with torch.device("cuda" if cuda else "cpu"):  # initialised where it trains: a billion parameters in seconds on a GPU
+        net = Qwen3ForCausalLM(Qwen3Config(**config_values))
     settings = settings_table.load({"FT_OUTPUT_DIR": "/tmp/unused"})
     net = recipe.prepare_model(net, settings, cuda)
     net.train()
@@ -155,7 +154,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=7, help="measured steps of each layout")
     p.add_argument("--warmup", type=int, default=2, help="steps of each layout left out first")
     p.add_argument("--device", help="the cost model's constants (trainer/model/step_cost.py DEVICES; default cpu, or h100 with --gpu)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of a table")
+    p.add_argument("--out", help="also write the JSON object to this file")
     args = p.parse_args(argv)
     config_values = gpu_config(args.layers) if args.gpu else TINY
     layouts = [parse_layout(t) for t in (args.layouts or (GPU_LAYOUTS if args.gpu else CPU_LAYOUTS)).split(",")]
@@ -166,8 +166,12 @@ def main(argv: list[str]) -> int:
 
         device_name = args.device or ("h200" if "H200" in torch.cuda.get_device_name(0) else "h100")
     results = measure(config_values, layouts, mean, args.steps, args.warmup, args.gpu, device_name)
+    found = {"device": device_name, "mean_tokens": mean, "layers": config_values["num_hidden_layers"], "results": results}
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(found, f, indent=1)
     if args.json:
-        print(json.dumps({"device": device_name, "mean_tokens": mean, "layers": config_values["num_hidden_layers"], "results": results}))
+        print(json.dumps(found))
     else:
         print(f"step_cost: {config_values['num_hidden_layers']} layers, 8 sequences of ~{mean} tokens a step, constants of {device_name}")
         for r in results:
