@@ -167,7 +167,8 @@ class Settings:
     # -- Throughput ----------------------------------------------------------------------------------
     batch_layout: Literal["auto", "as-set"] = setting("auto", "`auto`: train each optimizer step's `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` "
                                                               "sequences, in the same order and with the same updates, in the passes of the layout the "
-                                                              "memory plan ranks fastest among those that fit; `as-set`: exactly `FT_BATCH_SIZE` sequences per pass, as TRL does "
+                                                              "memory plan ranks fastest among those that fit; `as-set`: exactly `FT_BATCH_SIZE` "
+                                                              "sequences per pass, as TRL does "
                                                               "([why](performance.md#what-the-defaults-do)).", group="Throughput")
     padding_free: Literal["auto", "on", "off"] = setting("auto", "Concatenate the sequences of a forward pass into one row without "
                                                                  "padding (TRL's `padding_free`); each sequence still attends only to "
