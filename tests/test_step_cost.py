@@ -120,3 +120,26 @@ def test_the_mean_sequence_comes_from_the_data_prepared_on_the_volume_at_this_le
     mean, source = step_cost.mean_tokens(settings)
     assert mean == 1100 and "data prepared on the volume" in source  # the held-out rows were counted in the tokens too
     assert step_cost.mean_tokens(settings_table.load({"FT_OUTPUT_DIR": str(tmp_path), "FT_MAX_LENGTH": "4096"}))[0] == 4096  # prepared for another length
+
+
+def test_the_job_ranks_the_layouts_again_for_the_prepared_datas_mean_sequence(tmp_path, capsys):
+    """Preflight: every sequence at FT_MAX_LENGTH=4096 (2 x 4 on an H200's memory); once the data is prepared, its
+    ~1.1k-token mean makes shorter passes' fixed cost weigh more: 4 x 2, the memory still planned for 4096 tokens."""
+    import shutil
+
+    from trainer.core import settings as settings_table
+    from trainer.core.config import Config
+    from trainer.model import loading, memory
+
+    shutil.copy(QWEN3_4B, tmp_path / "config.json")
+    settings = settings_table.load({"FT_MODEL": str(tmp_path), "FT_OUTPUT_DIR": str(tmp_path / "out"), "FT_GPU_MEMORY_GB": "150.8"})
+    job = Config(settings, cuda=False, precision=PRECISIONS["bf16-mixed"])
+    config = loading.read_config(settings)
+    capacity = memory.device_capacity(settings, cuda=False)
+    planned = memory.plan(config, loading.parameter_count(config), settings, job.precision, capacity, "auto", 1, memory.cost_device(capacity, cuda=False))
+    assert (planned.sequences_per_pass, planned.checkpoint_every, planned.device.name, planned.device.host_link) == (2, 36, "h200", 0.0)  # no offload on CPU
+    again = memory.for_data(job, planned, 1100.0)
+    assert (again.sequences_per_pass, again.passes_per_step, again.checkpoint_every, again.fits) == (4, 2, 2, True)
+    assert again.seconds < planned.seconds and again.tokens_per_sequence == 1100
+    assert "memory plan for the prepared data (a sequence is 1100 tokens on average, not FT_MAX_LENGTH=4096): 4 sequences x 2 passes" in capsys.readouterr().out
+    assert memory.for_data(job, planned, None) is planned  # no report: the preflight's plan

@@ -215,11 +215,11 @@ def _fixes(config: Any, n_params: int, settings: Settings, precision: Precision,
 def cost_device(capacity: float, cuda: bool) -> step_cost.Device:
     """Whose speeds rank the layouts: this GPU's by its name, else the card planned for (FT_GPU_MEMORY_GB), else the CPU's.
     Without a GPU nothing is offloaded: transformers pins the host copies, which needs an accelerator."""
-    if cuda:
-        import torch
+    if not cuda:
+        return dataclasses.replace(step_cost.device_for("", capacity), host_link=0.0)
+    import torch
 
-        return step_cost.device_for(torch.cuda.get_device_name(0), capacity)
-    return dataclasses.replace(step_cost.device_for("", capacity), host_link=0.0)
+    return step_cost.device_for(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", capacity)  # else by its memory
 
 
 def for_data(job: Config, chosen: Plan, tokens_per_sequence: float | None) -> Plan:
