@@ -20,6 +20,11 @@
 # so far, rewritten by run.py after each; a run is stopped after BENCH_RUN_SECONDS (150) and the whole benchmark at the
 # budget, and the table says which were stopped or not run.
 #
+# --step-cost: instead of the variants, the memory plan's cost model against measured step times (bench/step_cost.py
+# --gpu): Qwen3-4B's sizes with 6 of its 36 layers, 8 sequences of ~1,024 tokens a step, four layouts (8 x 1 and 1 x 8
+# without recomputation, 8 x 1 recomputing every layer, and the same with offload), 9 steps each, one at a time: about
+# 2 minutes after the wheels, bounded at 300 s; step-cost.json in $OUT.  A second device call, so the variants keep theirs.
+#
 # --dry-run (tests/test_bench.py runs it): the same checks against the versions installed here (what CI tests), the
 # Qwen3-4B memory plans from config.json alone, and the variants on CPU with the tiny model, 2 steps each (bf16-sr needs
 # a bf16 GPU: its plan is printed, it is not run); the step-down there is an out-of-memory error injected from outside
@@ -27,7 +32,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dry=""
+step_cost=""
 if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
+if [ "${1:-}" = "--step-cost" ]; then step_cost=1; shift; fi
 python="${PYTHON:-python3}"
 work="${BENCH_WORK:-/tmp/bench-gpu}"
 results="${OUT:-$work/results}"
@@ -114,6 +121,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 say "wheels installed"
 check_wheels  # after the install: what the image lacks comes from the wheels, at the pinned versions
+if [ -n "$step_cost" ]; then
+  status=0
+  timeout -k 10 300 "$python" bench/step_cost.py --gpu --out "$results/step-cost.json" "$@" || status=$?
+  say "step cost done, exit $status; results in $results"
+  exit "$status"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 varlen=1
 torch_version || varlen=""

@@ -94,3 +94,34 @@ def test_a_hub_id_while_the_hub_does_not_answer_exits_2_at_once_saying_to_give_a
     assert result.returncode == 2, result.stdout + result.stderr
     assert "does not answer" in result.stderr and "local folder" in result.stderr and "bench/configs" in result.stderr
     assert "Retrying" not in result.stderr and "Traceback" not in result.stderr  # huggingface_hub's five retries took 24 s
+
+
+def test_the_reference_job_on_an_h100_recomputes_every_layer_in_one_pass_and_shows_two_runners_up():
+    """FT_MAX_LENGTH=4096, no data prepared: 8 x 1 with every layer recomputed (75.4 GB) is the fastest that fits 85.5 GB;
+    the runners-up split the step (4 x 2, 2 x 4), each slower by its passes' fixed cost."""
+    model = str(ROOT / "bench" / "qwen3-4b-config.json")
+    text = plan("--card", "h100-80gb", FT_MODEL=model).stdout
+    assert "8 sequences x 1 passes per optimizer step" in text and "recomputation: full (every layer)" in text
+    assert "step time:     ~" in text and "h100 speeds" in text and "sequences of 4096 tokens (FT_MAX_LENGTH" in text
+    assert "runners-up:    4 x 2, recomputation full (every layer)" in text and "2 x 4, recomputation full (every layer)" in text
+    data = json.loads(plan("--card", "h100-80gb", "--json", FT_MODEL=model).stdout)
+    assert (data["sequences_per_pass"], data["checkpoint_every"], data["offload"], data["cost_device"]) == (8, 1, False, "h100")
+    assert [(r["sequences_per_pass"], r["checkpoint_every"]) for r in data["runners_up"]] == [(4, 1), (2, 1)]
+    assert all(r["relative_step_time"] > 1 and r["peak_gb"] <= data["capacity_gb"] for r in data["runners_up"])
+
+
+def test_the_reference_job_on_an_h200_takes_the_layout_the_cost_model_ranks_fastest():
+    """The H200's 150.8 GB fit 1 x 8 without recomputation (116.7 GB), but 2 x 4 recomputing 1 layer of 36 is faster by the
+    model: four passes' fixed cost saved outweighs one layer's forward again (docs/memory-plan.md)."""
+    model = str(ROOT / "bench" / "qwen3-4b-config.json")
+    data = json.loads(plan("--card", "h200-141gb", "--json", FT_MODEL=model).stdout)
+    assert (data["sequences_per_pass"], data["passes_per_step"], data["checkpoint_every"], data["cost_device"]) == (2, 4, 36, "h200")
+    assert [(r["sequences_per_pass"], r["checkpoint_every"]) for r in data["runners_up"]] == [(4, 2), (1, 0)]
+    assert data["runners_up"][1]["peak_gb"] == pytest.approx(116.7, abs=0.1)
+    assert all(r["relative_step_time"] >= 1 for r in data["runners_up"])
+    text = plan("--card", "h200-141gb", FT_MODEL=model).stdout
+    assert "2 sequences x 4 passes per optimizer step" in text and "recomputation: selective (every 36 layers: 1 of 36)" in text
+    assert "runners-up:    4 x 2, recomputation selective (every 2 layers: 18 of 36)" in text and "1 x 8, recomputation off: ~116.7 GB" in text
+    # The reference data's ~1.1k-token mean sequence (Capybara): 4 x 2 recomputing every 2nd layer, 8 x 1 full close behind
+    shorter = json.loads(plan("--card", "h200-141gb", "--json", "--mean-tokens", "1100", FT_MODEL=model).stdout)
+    assert (shorter["sequences_per_pass"], shorter["checkpoint_every"], shorter["tokens_from"]) == (4, 2, "--mean-tokens")

@@ -180,8 +180,11 @@ def test_the_next_plan_down_recomputes_more_before_it_runs_more_passes():
     while (lower := stepdown.next_down(chain[-1], plans)) is not None:
         chain.append(lower)
     assert len(chain) > 3  # the layout decides (a second pass keeps autocast's copies alive: its estimate can be higher)
-    assert all(b.sequences_per_pass < a.sequences_per_pass or b.checkpoint_every != a.checkpoint_every for a, b in zip(chain, chain[1:], strict=False))
-    assert chain[-1].sequences_per_pass == 1 and chain[-1].checkpoint_every == 1  # the bottom: one sequence per pass, every layer recomputed
+    assert all((b.sequences_per_pass, b.checkpoint_every, b.offload) != (a.sequences_per_pass, a.checkpoint_every, a.offload)
+               for a, b in zip(chain, chain[1:], strict=False))
+    assert all(b.peak < a.peak for a, b in zip(chain, chain[1:], strict=False))  # each a lower planned peak, here where one is left
+    # the bottom: one sequence per pass, every layer recomputed, its input offloaded to host memory (a GPU's lever)
+    assert (chain[-1].sequences_per_pass, chain[-1].checkpoint_every, chain[-1].offload) == (1, 1, True)
     assert [p.passes_per_step for p in chain] == sorted(p.passes_per_step for p in chain)  # passes never go back up
     assert (chain[0].checkpoint_every, chain[1].passes_per_step) == (0, 1) and chain[1].checkpoint_every > 0  # first: recompute some layers, same passes
 

@@ -26,7 +26,7 @@ from trainer.evaluation import compare, samples, scoring
 from trainer.evaluation import stage as evaluation
 from trainer.evaluation import tasks as eval_tasks
 from trainer.launch import launcher
-from trainer.model import attention, fetch, hub, memory, recipe, stepdown
+from trainer.model import attention, fetch, hub, memory, recipe, step_cost, stepdown
 from trainer.model import loading as model
 from trainer.publishing import copies, final_model, hub_push
 from trainer.report import report
@@ -120,12 +120,14 @@ def before_training(config: Config, volume: Volume) -> tuple[eval_tasks.Benchmar
     hub.check_reachable(settings)  # seconds, not a traceback after minutes of retries, when the settings need a hub that does not answer
     hub_push.check_token(settings)  # FT_PUSH_TO_HUB without a token: exit 2 now, not after training
     # From config.json alone: exit 2 before weights or data are downloaded.  Rank 0 first: it alone fetches config.json from the hub.
-    plan = stepdown.resumed(config, ranks.main_first(lambda: memory.preflight(config)))
+    planned = ranks.main_first(lambda: memory.preflight(config))
     mirror = ranks.main_first(lambda: restore.from_mirror(config, volume))  # FT_MIRROR_URL: its newest checkpoint, when newer than the volume's
-    layout.check_resumable(manifest.last_committed(volume.checkpoints), plan.strategy)  # before the fingerprint is rewritten
+    layout.check_resumable(manifest.last_committed(volume.checkpoints), planned.strategy)  # before the fingerprint is rewritten
     fetch.model_files(settings)  # a hub model's files, downloaded by rank 0 before any other process reads them
     tokenizer = model.load_tokenizer(settings)
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))  # checked and tokenized once; exit 2 before anything else is written
+    # the layouts ranked again for the data's mean sequence, then the smaller plan an earlier attempt stepped down to, if any
+    plan = stepdown.resumed(config, memory.for_data(config, planned, step_cost.mean_tokens_of(prepared.report)))
     job_config.check_fingerprint(config, {"evaluation data": prepared.report.get("eval_source", "")})  # a resume validates on the same rows
     return benchmarks, plan, mirror, tokenizer, prepared
 

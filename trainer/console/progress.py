@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from trainer.model.estimate import shape
+from trainer.model.estimate import flops_per_token  # the count the plan's step cost (trainer/model/step_cost.py) starts from
 from trainer.telemetry.feed import Telemetry
 from trainer.tracking.run import Tracker
 
@@ -38,14 +38,6 @@ def peak_flops(device_name: str) -> float | None:
         if key in device_name:
             return flops
     return None
-
-
-def flops_per_token(config: Any, n_params: int, mean_sequence: float) -> float:
-    """6N for the matmuls (the tied embedding counts once, as the LM head) + 12 L H d S for attention (the full
-    square of scores, as PaLM counts it); the model's sizes are trainer/model/estimate.py's."""
-    s = shape(config)
-    matmul_params = n_params if s["tied"] else n_params - s["vocab"] * s["hidden"]
-    return 6 * matmul_params + 12 * s["layers"] * s["q"] * mean_sequence
 
 
 FORMATS = {

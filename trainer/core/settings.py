@@ -149,13 +149,15 @@ class Settings:
     activation_checkpointing: Literal["auto", "full", "selective", "off"] = setting("auto", "Recompute activations in the backward pass instead of keeping "
                                                                                             "them: `full` every decoder layer, `selective` every n-th layer "
                                                                                             "with n as large as the memory plan fits (every layer under "
-                                                                                            "FSDP), `off` none. `auto` picks the least recomputation that "
-                                                                                            "fits, none on CPU ([the memory plan]"
+                                                                                            "FSDP), `off` none. `auto` "
+                                                                                            "takes the recomputation of the layout with the shortest "
+                                                                                            "estimated step that fits, none on CPU ([the memory plan]"
                                                                                             "(memory-plan.md#the-preflight-memory-disk-and-host-memory)).")
     # -- Throughput ----------------------------------------------------------------------------------
     batch_layout: Literal["auto", "as-set"] = setting("auto", "`auto`: train each optimizer step's `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` "
-                                                              "sequences, in the same order and with the same updates, in as few forward passes as the "
-                                                              "memory plan fits; `as-set`: exactly `FT_BATCH_SIZE` sequences per pass, as TRL does "
+                                                              "sequences, in the same order and with the same updates, in the passes of the layout the "
+                                                              "memory plan ranks fastest among those that fit; `as-set`: exactly `FT_BATCH_SIZE` "
+                                                              "sequences per pass, as TRL does "
                                                               "([why](memory-plan.md#what-the-defaults-do)).", group="Throughput")
     padding_free: Literal["auto", "on", "off"] = setting("auto", "Concatenate the sequences of a forward pass into one row without "
                                                                  "padding (TRL's `padding_free`); each sequence still attends only to "

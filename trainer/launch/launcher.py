@@ -220,7 +220,8 @@ def _run_once(cmd: list[str], env: dict[str, str], stops: StopForwarder, several
 
 
 def _stepped_down(record: dict[str, Any], processes: int, path: str) -> str:
-    """What the record of a step-down says happened, in words (its plans are [sequences, passes, checkpoint_every])."""
+    """What the record of a step-down says happened, in words (its plans are [sequences, passes, checkpoint_every], with a
+    1 after them when offloaded)."""
     failed = (record.get("out_of_memory") or [{}])[-1]
     peak = f" (measured peak {failed['measured_peak_bytes'] / 1e9:.1f} GB, {failed.get('measured_by')})" if failed.get("measured_peak_bytes") else ""
     where = f"on one of the {processes} processes" if processes > 1 else "in the training process"  # one: a library's error, not torch's (stepdown.py)
@@ -229,11 +230,12 @@ def _stepped_down(record: dict[str, Any], processes: int, path: str) -> str:
 
 
 def _layout(plan: Any) -> str:
-    if not (isinstance(plan, list) and len(plan) == 3):
+    if not (isinstance(plan, list) and len(plan) in (3, 4)):
         return str(plan)
-    sequences, passes, every = plan
+    sequences, passes, every = plan[:3]
     recomputed = {0: "off", 1: "full (every layer)"}.get(every, f"selective (every {every} layers)")  # as trainer/model/estimate.py labels it
-    return f"{sequences} sequences x {passes} passes per process, recomputation {recomputed}"
+    offloaded = ", offloaded to host memory" if plan[3:] == [1] else ""
+    return f"{sequences} sequences x {passes} passes per process, recomputation {recomputed}{offloaded}"
 
 
 def _job_exit_code(folder: str, torchrun_code: int) -> int:

@@ -44,7 +44,7 @@ def checkpointing_label(every: int, layers: int) -> str:
 def shape(config: Any) -> dict[str, int]:
     """The sizes the estimate needs, from a transformers config of a decoder-only model (or its config.json's fields).
 
-    This module owns `head_dim`: console/progress.py counts FLOPs from the same sizes."""
+    This module owns `head_dim` and the FLOPs per token (`flops_per_token`), which console/progress.py and step_cost.py use."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden, heads = text.hidden_size, text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
@@ -73,6 +73,21 @@ def parameter_count(config: Any) -> int:
     return s["vocab"] * h * (2 - s["tied"]) + s["layers"] * layer + h
 
 
+def flops_per_token(config: Any, n_params: int, mean_sequence: float) -> float:
+    """Model FLOPs of a training step per token: 6N for the matmuls (the tied embedding counts once, as the LM head) +
+    12 L H d S for attention (the full square of scores, as PaLM and torchtitan count it).  No recomputation: a
+    recomputed layer's forward is trainer/model/step_cost.py's to add."""
+    s = shape(config)
+    matmul_params = n_params if s["tied"] else n_params - s["vocab"] * s["hidden"]
+    return 6 * matmul_params + 12 * s["layers"] * s["q"] * mean_sequence
+
+
+def offloaded_bytes(config: Any, precision: Precision, sequences_per_pass: int, max_length: int, checkpoint_every: int) -> float:
+    """Host memory the offloaded inputs of a pass's recomputed layers take at once (transformers' `offload`: pinned)."""
+    s = shape(config)
+    return float(checkpointed_layers(checkpoint_every, s["layers"]) * sequences_per_pass * max_length * precision.weight_bytes * s["hidden"])
+
+
 def layer_bytes_per_token(s: dict[str, int], act: int, stream: int = 4) -> float:
     """Tensors one decoder layer saves for its backward, per token (`act`: bytes of a matmul output).
 
@@ -93,12 +108,13 @@ def estimate(config: Any, n_params: int, **layout: Any) -> dict[str, float]:
 
 def phases(
     config: Any, n_params: int, *, precision: Precision, sequences_per_pass: int, passes_per_step: int, max_length: int, checkpoint_every: int, shards: int = 1,
-    processes: int = 1, communicators: int = 1,
+    processes: int = 1, communicators: int = 1, offload: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Bytes by component at the peak of each phase of the step (docs/memory-plan.md; bench/simulate_memory.py measures
     the same phases): the forward (the last pass: earlier passes' gradients are alive), the start of the backward (the
     loss's gradient), its end (every gradient, the tied embedding's twice), and the optimizer's update.  `processes`: of
-    the job (more than one: NCCL's buffers on a GPU, `communicators` of them)."""
+    the job (more than one: NCCL's buffers on a GPU, `communicators` of them).  `offload`: the recomputed layers' saved
+    inputs are held in host memory (transformers' `offload`), so they leave the device's activations."""
     s = shape(config)
     layers, h, vocab = s["layers"], s["hidden"], s["vocab"]
     embedding = vocab * h
@@ -109,7 +125,8 @@ def phases(
     stream = precision.weight_bytes  # the residual stream's dtype: a recomputed layer's saved input
     recomputed = checkpointed_layers(checkpoint_every, layers)
     copies = 2 * layer_params * layers if precision.autocast_copies else 0.0  # autocast caches each cast until the forward ends
-    saved = tokens * ((layers - recomputed) * layer_bytes_per_token(s, act, stream) + recomputed * stream * h + STREAM_COPIES[stream] * h)
+    kept_inputs = 0 if offload else recomputed * stream * h  # offloaded: one layer's input comes back at a time, for its recompute
+    saved = tokens * ((layers - recomputed) * layer_bytes_per_token(s, act, stream) + kept_inputs + STREAM_COPIES[stream] * h)
     static = {
         "weights": float(precision.weight_bytes * n_params) / shards,
         "optimizer": float(precision.optimizer_bytes * n_params) / shards,

@@ -57,8 +57,9 @@ def check_host_memory(precision: Precision, n_params: int, chosen: Any, cuda: bo
     staging = checkpoint_staging_bytes(precision, n_params, chosen.strategy, chosen.processes)
     staging = max(staging, final_gather_bytes(precision, n_params, chosen.strategy))  # one or the other, never both
     training = 0 if cuda else precision.training_bytes * n_params // chosen.shards
+    training += processes_per_node * getattr(chosen, "offloaded", 0.0)  # the recomputed layers' inputs, offloaded (pinned)
     if staging + training > host:
-        on_cpu = f" and {training / GB:.1f} GB of training state (CPU)" if training else ""
+        on_cpu = f" and {training / GB:.1f} GB of training state ({'CPU' if not cuda else 'activations offloaded to host memory'})" if training else ""
         if chosen.strategy == "fsdp":
             snapshot, fix = "the final model's weights, gathered on it once at the end", "Give the container more memory."
         else:

@@ -29,6 +29,7 @@ from trainer.core.config import Config, Precision, sharings
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
 from trainer.core.volume import Volume, free_bytes
+from trainer.model import step_cost
 from trainer.model.estimate import (  # noqa: F401  (the plan's public names stay here)
     LOSS_TILE_TOKENS,
     LOSS_TILE_VOCAB,
@@ -37,6 +38,7 @@ from trainer.model.estimate import (  # noqa: F401  (the plan's public names sta
     checkpointing_label,
     estimate,
     layer_bytes_per_token,
+    offloaded_bytes,
     parameter_count,
     phases,
     shape,
@@ -62,6 +64,11 @@ class Plan:
 
     phase: str = "forward"  # of the step, where the peak is
     replicas: int = 1  # fsdp: replicas of the sharded model (HSDP: one per node, sharded within it); else 1
+    offload: bool = False  # the recomputed layers' saved inputs held in host memory (transformers' `offload`)
+    seconds: float = 0.0  # estimated time of one optimizer step (trainer/model/step_cost.py), on `device`
+    device: step_cost.Device = step_cost.DEVICES["cpu"]  # whose speeds the time was estimated with
+    tokens_per_sequence: float = 0.0  # the mean sequence the time was estimated for
+    offloaded: float = 0.0  # bytes of pinned host memory the offloaded activations take at once
     parameters: int = 0  # the model's parameter count, as the preflight counted it (trainer/model/loading.py); 0: no model read
 
     @property
@@ -90,45 +97,55 @@ class Plan:
         }
         return (
             f"{sharing[self.strategy]}{self.sequences_per_pass} sequences x {self.passes_per_step} passes per step, activation checkpointing "
-            f"{checkpointing_label(self.checkpoint_every, self.layers)}: peak ~{self.peak / GB:.1f} GB{limit} ({parts} GB)"
+            f"{checkpointing_label(self.checkpoint_every, self.layers)}{self.offload_label}: peak ~{self.peak / GB:.1f} GB{limit} ({parts} GB)"
         )
 
+
+    @property
+    def offload_label(self) -> str:
+        return ", offloaded to host memory" if self.offload else ""
 
     @property
     def _replicated(self) -> str:
         return f", sharded within each of {self.replicas} nodes and replicated across them" if self.replicas > 1 else ""
 
 
-def plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1) -> Plan:
+def plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1,
+         device: step_cost.Device | None = None, tokens_per_sequence: float | None = None) -> Plan:
     """The cheapest sharing of the model (none for one process; `auto`: ddp, else fsdp; on several nodes fsdp within
-    each node first, HSDP), then the fewest forward passes per step, then the least recomputation, that fit
-    `capacity` (0 = no limit) in each process.
+    each node first, HSDP), then the layout with the shortest estimated step (trainer/model/step_cost.py) among those
+    that fit `capacity` (0 = no limit) in each process.
 
-    `checkpointing` is FT_ACTIVATION_CHECKPOINTING; with `FT_BATCH_LAYOUT=as-set` the passes are as set.
+    `checkpointing` is FT_ACTIVATION_CHECKPOINTING; with `FT_BATCH_LAYOUT=as-set` the passes are as set.  `device`:
+    whose speeds rank the layouts (by default from `capacity`); `tokens_per_sequence`: the data's mean sequence
+    after preparation when known (else FT_MAX_LENGTH).
     """
     ways = sharings(settings, processes)
-    chosen = [_plan(config, n_params, settings, precision, capacity, checkpointing, strategy, processes, replicas) for strategy, replicas in ways]
+    chosen = [_plan(config, n_params, settings, precision, capacity, checkpointing, strategy, processes, replicas, device, tokens_per_sequence)
+              for strategy, replicas in ways]
     return next((c for c in chosen if c.fits), chosen[-1])
 
 
 def _plan(config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, strategy: str, processes: int,
-          replicas: int) -> Plan:
-    layouts = candidates(config, n_params, settings, precision, capacity, checkpointing, processes, strategy, replicas)
+          replicas: int, device: step_cost.Device | None, tokens_per_sequence: float | None) -> Plan:
+    layouts = candidates(config, n_params, settings, precision, capacity, checkpointing, processes, strategy, replicas, device, tokens_per_sequence)
     fitting = [c for c in layouts if c.fits]
     return fitting[0] if fitting else min(layouts, key=lambda c: c.peak)
 
 
 def candidates(
     config: Any, n_params: int, settings: Settings, precision: Precision, capacity: float, checkpointing: str, processes: int = 1, strategy: str | None = None,
-    replicas: int = 1,
+    replicas: int = 1, device: step_cost.Device | None = None, tokens_per_sequence: float | None = None,
 ) -> list[Plan]:
-    """Every layout the settings allow, fastest first: the fewest passes per step, then the least recomputation.
+    """Every layout the settings allow, fastest first by the estimated step time (the lower peak first between equals).
 
-    The plan is the first that fits; a job that runs out of memory anyway can walk down this list (each later one
-    makes the same updates with less memory).  `strategy`: none, ddp or fsdp, with `replicas` (HSDP); by default
-    the ones `plan` picks."""
+    The plan is the first that fits; a job that runs out of memory anyway steps down to a layout of no more
+    sequences per pass, no fewer recomputed layers and no less offload (trainer/model/stepdown.py): each makes the
+    same updates.  `strategy`: none, ddp or fsdp, with `replicas` (HSDP); by default the ones `plan` picks."""
+    device = device or step_cost.device_for("", capacity)
+    tokens_per_sequence = min(tokens_per_sequence or settings.max_length, settings.max_length)
     if strategy is None:
-        chosen = plan(config, n_params, settings, precision, capacity, checkpointing, processes)
+        chosen = plan(config, n_params, settings, precision, capacity, checkpointing, processes, device, tokens_per_sequence)
         strategy, replicas = chosen.strategy, chosen.replicas
     shards = processes // replicas if strategy == "fsdp" else 1
     communicators = 3 if replicas > 1 else 1  # HSDP: the default group, each node's shard group and the replicas' group
@@ -141,12 +158,19 @@ def candidates(
     found = []
     for per_pass, passes in layouts:
         for every in recomputation_choices(checkpointing, layers, bool(capacity), every_layer_only=strategy == "fsdp"):
-            layout = {"sequences_per_pass": per_pass, "passes_per_step": passes, "max_length": settings.max_length, "checkpoint_every": every, "shards": shards,
-                      "processes": processes, "communicators": communicators}
-            each = phases(config, n_params, precision=precision, **layout)
-            highest = max(each, key=lambda name: sum(each[name].values()))
-            found.append(Plan(per_pass, passes, every, each[highest], capacity, layers, strategy, processes, highest, replicas, n_params))
-    return found
+            # offload: transformers' (5.24) pins host memory, so on an accelerator only; accelerate's FSDP2 checkpointing has none
+            for offload in (False, True) if every and capacity and device.host_link and strategy != "fsdp" else (False,):
+                layout = {"sequences_per_pass": per_pass, "passes_per_step": passes, "checkpoint_every": every, "offload": offload}
+                each = phases(config, n_params, precision=precision, max_length=settings.max_length, shards=shards, processes=processes,
+                              communicators=communicators, **layout)
+                highest = max(each, key=lambda name: sum(each[name].values()))
+                if offload and sum(each[highest].values()) >= found[-1].peak:
+                    continue  # the peak is not in the activations (the backward's end, say): offloading would only cost time
+                cost = step_cost.step_cost(config, n_params, precision, tokens_per_sequence=tokens_per_sequence, device=device, shards=shards, **layout)
+                found.append(Plan(per_pass, passes, every, each[highest], capacity, layers, strategy, processes, highest, replicas, offload, cost.seconds,
+                                  device, tokens_per_sequence, offloaded_bytes(config, precision, per_pass, settings.max_length, every) if offload else 0.0,
+                                  n_params))
+    return sorted(found, key=lambda c: (round(c.seconds, 9), c.peak))
 
 
 def recomputation_choices(policy: str, layers: int, limited: bool, every_layer_only: bool = False) -> list[int]:
@@ -188,6 +212,34 @@ def _fixes(config: Any, n_params: int, settings: Settings, precision: Precision,
         per_param = precision.training_bytes
         fixes.append(f"a GPU with more memory: weights, gradients and AdamW states alone take {per_param * n_params / GB:.0f} GB ({per_param} B/param)")
     return fixes
+
+
+def cost_device(capacity: float, cuda: bool) -> step_cost.Device:
+    """Whose speeds rank the layouts: this GPU's by its name, else the card planned for (FT_GPU_MEMORY_GB), else the CPU's.
+    Without a GPU nothing is offloaded: transformers pins the host copies, which needs an accelerator."""
+    if not cuda:
+        return dataclasses.replace(step_cost.device_for("", capacity), host_link=0.0)
+    import torch
+
+    return step_cost.device_for(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", capacity)  # else by its memory
+
+
+def for_data(job: Config, chosen: Plan, tokens_per_sequence: float | None) -> Plan:
+    """The preflight's plan ranked again once the data is prepared: the fastest layout for its mean sequence
+    (`tokens_per_sequence`) that fits, the memory still planned for FT_MAX_LENGTH, the sharing as the preflight chose."""
+    from trainer.model import loading as model
+
+    if not tokens_per_sequence or not chosen.fits:
+        return chosen
+    settings = job.settings
+    config = model.read_config(settings)
+    layouts = candidates(config, model.parameter_count(config, settings.trust_remote_code), settings, job.precision, chosen.capacity,
+                         settings.activation_checkpointing, chosen.processes, chosen.strategy, chosen.replicas, chosen.device, tokens_per_sequence)
+    faster = next(c for c in layouts if c.fits)
+    if (faster.sequences_per_pass, faster.checkpoint_every, faster.offload) != (chosen.sequences_per_pass, chosen.checkpoint_every, chosen.offload):
+        print(f"fulltune: memory plan for the prepared data (a sequence is {tokens_per_sequence:.0f} tokens on average, not "
+              f"FT_MAX_LENGTH={settings.max_length}): {faster.describe()}", flush=True)
+    return faster
 
 
 def device_capacity(settings: Settings, cuda: bool) -> float:
@@ -239,7 +291,7 @@ def preflight(job: Config) -> Plan:
     config = model.read_config(settings)
     n_params = model.parameter_count(config, settings.trust_remote_code)
     capacity = device_capacity(settings, cuda)
-    chosen = plan(config, n_params, settings, precision, capacity, settings.activation_checkpointing, job.world_size)
+    chosen = plan(config, n_params, settings, precision, capacity, settings.activation_checkpointing, job.world_size, cost_device(capacity, cuda))
     print(f"fulltune: memory plan: {chosen.describe()}", flush=True)
     problems = []
     if settings.preflight == "off":

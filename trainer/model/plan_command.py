@@ -5,7 +5,8 @@
     docker run -e FT_MODEL=/models/qwen3-4b -v /models:/models IMAGE plan --card a100-80gb
 
 From the model's config.json alone (no GPU, no weights, no torch): the same plan the job's preflight makes
-(trainer/model/memory.py) for the configured FT_* settings, printed as text or JSON.  Exit 0 when it fits, 2 when
+(trainer/model/memory.py) for the configured FT_* settings, printed as text or JSON: the layout the cost model
+(trainer/model/step_cost.py) ranks fastest among those that fit, and the two runners-up.  Exit 0 when it fits, 2 when
 it does not (with the settings that would make it fit, as the preflight says), or when the settings or the
 config cannot be read (a hub id while the hub is unreachable: give a local folder).
 """
@@ -22,7 +23,7 @@ from typing import Any
 from trainer.core import config as job_config
 from trainer.core import ending, errors, locations, settings
 from trainer.core.errors import ConfigError
-from trainer.model import hub, memory, sizes
+from trainer.model import hub, memory, sizes, step_cost
 
 # What each card reports to the job (nvidia-smi's total, in MiB, as bytes): the plan must fit this, not the name.
 CARDS = {
@@ -76,14 +77,18 @@ def capacity(card: str | None, validated: settings.Settings) -> tuple[str, float
     return DEFAULT_CARD, float(CARDS[DEFAULT_CARD])
 
 
-def report(validated: settings.Settings, card: str | None, write_mb_s: float = sizes.DEFAULT_WRITE_MB_S) -> tuple[dict[str, Any], list[str]]:
-    """The plan as data, and the fixes when it does not fit."""
+def report(validated: settings.Settings, card: str | None, write_mb_s: float = sizes.DEFAULT_WRITE_MB_S,
+           mean_tokens: float | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The plan as data, and the fixes when it does not fit.  `mean_tokens`: of a sequence after preparation (else the
+    data prepared on the volume's, else FT_MAX_LENGTH)."""
     config, source = read_config(validated.model, validated.model_revision)
     name, limit = capacity(card, validated)
     precision = job_config.PRECISIONS["bf16-mixed" if validated.precision == "auto" else validated.precision]  # auto on a bf16 GPU
     processes = (validated.num_processes or 1) * validated.num_nodes
     n_params = memory.parameter_count(config)
-    chosen = memory.plan(config, n_params, validated, precision, limit, validated.activation_checkpointing, processes)
+    device = step_cost.device_for(name, limit)
+    tokens, tokens_from = (min(mean_tokens, validated.max_length), "--mean-tokens") if mean_tokens else step_cost.mean_tokens(validated)
+    chosen = memory.plan(config, n_params, validated, precision, limit, validated.activation_checkpointing, processes, device, tokens)
     fixes = [] if chosen.fits else memory._fixes(config, n_params, validated, precision, limit, processes)
     layers = memory.shape(config)["layers"]
     data = {
@@ -105,12 +110,36 @@ def report(validated: settings.Settings, card: str | None, write_mb_s: float = s
         "fits": chosen.fits,
         "breakdown_gb": {k: round(v / memory.GB, 2) for k, v in chosen.breakdown.items()},
         "fixes": fixes,
+        "offload": chosen.offload,
+        "step_seconds": round(chosen.seconds, 3),
+        "cost_device": device.name,
+        "tokens_per_sequence": round(tokens),
+        "tokens_from": tokens_from,
+        "runners_up": [_layout(other, chosen, layers) for other in runners_up(config, n_params, validated, precision, chosen)],
     }
     written = sizes.of(n_params, precision, validated.save_total_limit, write_mb_s)
     data |= {"checkpoint_gb": round(written.checkpoint / 1e9, 1), "final_model_gb": round(written.final_model / 1e9, 1),
              "volume_gb": round(written.volume / 1e9, 1), "checkpoints_at_once": written.checkpoints_at_once,
              "write_mb_s": write_mb_s, "write_seconds": round(written.write_seconds)}
     return data, fixes
+
+
+def runners_up(config: Any, n_params: int, validated: settings.Settings, precision: Any, chosen: memory.Plan, count: int = 2) -> list[memory.Plan]:
+    """The next fastest layouts that fit after `chosen`, each of other sequences per pass (the fastest of each)."""
+    layouts = memory.candidates(config, n_params, validated, precision, chosen.capacity, validated.activation_checkpointing, chosen.processes,
+                                chosen.strategy, chosen.replicas, chosen.device, chosen.tokens_per_sequence)
+    seen, found = {chosen.sequences_per_pass}, []
+    for other in layouts:
+        if other.fits and other.sequences_per_pass not in seen and len(found) < count and other.seconds >= chosen.seconds:
+            seen.add(other.sequences_per_pass)
+            found.append(other)
+    return found
+
+
+def _layout(plan: memory.Plan, chosen: memory.Plan, layers: int) -> dict[str, Any]:
+    return {"sequences_per_pass": plan.sequences_per_pass, "passes_per_step": plan.passes_per_step, "checkpoint_every": plan.checkpoint_every,
+            "recomputation": memory.checkpointing_label(plan.checkpoint_every, layers), "offload": plan.offload, "peak_gb": round(plan.peak / memory.GB, 2),
+            "step_seconds": round(plan.seconds, 3), "relative_step_time": round(plan.seconds / chosen.seconds, 3) if chosen.seconds else None}
 
 
 def describe(data: dict[str, Any]) -> str:
@@ -120,10 +149,16 @@ def describe(data: dict[str, Any]) -> str:
         f"fulltune plan: {data['model']} ({data['parameters'] / 1e9:.2f} B parameters), {data['precision']}, "
         f"FT_MAX_LENGTH={data['max_length']}, on {data['card']} ({data['capacity_gb']} GB)",
         f"  layout:        {data['sequences_per_pass']} sequences x {data['passes_per_step']} passes per optimizer step, {sharing}",
-        f"  recomputation: {data['recomputation']}",
+        f"  recomputation: {data['recomputation']}{', offloaded to host memory' if data['offload'] else ''}",
         f"  peak:          ~{data['peak_gb']:.1f} GB per GPU, in the {data['peak_phase']}: {'fits' if data['fits'] else 'does NOT fit'}",
     ]
     lines += [f"    {name:<16}{gb:>8.2f} GB" for name, gb in data["breakdown_gb"].items()]
+    lines.append(f"  step time:     ~{data['step_seconds']:.2f} s estimated ({data['cost_device']} speeds, trainer/model/step_cost.py), sequences of "
+                 f"{data['tokens_per_sequence']} tokens ({data['tokens_from']})")
+    for i, other in enumerate(data["runners_up"]):
+        offloaded = ", offloaded" if other["offload"] else ""
+        lines.append(f"  {'runners-up:' if i == 0 else '':<15}{other['sequences_per_pass']} x {other['passes_per_step']}, recomputation "
+                     f"{other['recomputation']}{offloaded}: ~{other['peak_gb']:.1f} GB, {other['relative_step_time']:.2f}x the step time")
     lines += [
         f"  checkpoint:    {data['checkpoint_gb']:.1f} GB (weights + optimizer states); final model {data['final_model_gb']:.1f} GB",
         f"  volume:        at least {data['volume_gb']:.0f} GB ({data['volume_gb'] * 1e9 / 2**30:.0f} GiB): {data['checkpoints_at_once']} checkpoints at "
@@ -140,12 +175,14 @@ def main(argv: list[str]) -> int:
                                                                             "card, from config.json alone.")
     parser.add_argument("--card", help=f"one of {', '.join(CARDS)} (default: FT_GPU_MEMORY_GB if set, else {DEFAULT_CARD})")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--mean-tokens", type=float, help="tokens of a mean sequence after preparation, for the step time (default: of the data "
+                                                          "prepared on FT_OUTPUT_DIR, else FT_MAX_LENGTH)")
     parser.add_argument("--write-mb-s", type=float, default=sizes.DEFAULT_WRITE_MB_S,
                         help=f"the volume's sequential write speed for the checkpoint's write time (default {sizes.DEFAULT_WRITE_MB_S:g})")
     args = parser.parse_args(argv)
     ending.set_termination_message_path(os.environ.get("FT_TERMINATION_MESSAGE_PATH", ""))  # a question, not a job: no termination log
     try:
-        data, fixes = report(settings.load(os.environ), args.card, args.write_mb_s)
+        data, fixes = report(settings.load(os.environ), args.card, args.write_mb_s, args.mean_tokens)
     except errors.FulltuneError as error:
         return ending.exit_code_for(error)
     print(json.dumps(data) if args.json else describe(data), flush=True)

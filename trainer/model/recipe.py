@@ -4,10 +4,11 @@ Where we differ from the notebook on purpose:
 - precision: fp32 master weights with bf16 autocast instead of bf16 weights updated in place; or, opt-in
   (`FT_PRECISION=bf16-sr`), bf16 weights updated by our AdamW with stochastic rounding (trainer/model/optim.py);
 - `activation_checkpointing` replaces the deprecated `gradient_checkpointing` name, and how many layers
-  recompute is chosen by the memory plan (trainer/model/memory.py): none when the step fits without, else every
-  n-th layer with n as large as fits (transformers' `every_n_layers`), and none on CPU;
-- batch layout (`FT_BATCH_LAYOUT=auto`): the notebook's 1 sequence x 8 accumulation passes become as
-  few passes as the memory plan fits (8 x 1 on CPU).  Each optimizer step sees the same 8 sequences in
+  recompute is chosen by the memory plan (trainer/model/memory.py): every n-th layer (transformers'
+  `every_n_layers`, 0 = none; on a GPU their inputs possibly offloaded to host memory, transformers' `offload`),
+  in the layout its cost model (trainer/model/step_cost.py) ranks fastest among those that fit, and none on CPU;
+- batch layout (`FT_BATCH_LAYOUT=auto`): the notebook's 1 sequence x 8 accumulation passes become the
+  passes of that fastest layout (8 x 1 on CPU).  Each optimizer step sees the same 8 sequences in
   the same order, and the loss is normalised by the step's token count either way, so the updates are
   the same (bench/RESULTS.md: per-step loss within 1 %);
 - evaluation runs at the training pass's batch size (or `FT_EVAL_BATCH_SIZE` if larger), optionally on
@@ -191,7 +192,8 @@ def sft_config(settings: Settings, precision: Precision, plan: Any, cuda: bool, 
         fp16=False,
         use_cpu=not cuda,
         activation_checkpointing=plan.checkpointing and plan.strategy != "fsdp",
-        activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": plan.checkpoint_every} if plan.checkpointing else None,
+        activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": plan.checkpoint_every, **({"offload": True} if plan.offload else {})}
+        if plan.checkpointing else None,  # offload: the recomputed layers' inputs in pinned host memory (transformers 5.24)
         # -- several processes
         ddp_timeout=settings.collective_timeout_seconds,
         ddp_find_unused_parameters=False,  # every parameter takes part in every forward: no extra autograd traversal

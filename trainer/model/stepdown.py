@@ -35,7 +35,8 @@ T = TypeVar("T")
 
 
 def _layout(plan: memory.Plan) -> list[int]:
-    return [plan.sequences_per_pass, plan.passes_per_step, plan.checkpoint_every]
+    """[sequences, passes, checkpoint_every], and a 1 after them when the recomputed layers' inputs are offloaded."""
+    return [plan.sequences_per_pass, plan.passes_per_step, plan.checkpoint_every, *([1] if plan.offload else [])]
 
 
 def _recomputed(plan: memory.Plan) -> int:
@@ -43,16 +44,22 @@ def _recomputed(plan: memory.Plan) -> int:
 
 
 def next_down(current: memory.Plan, plans: list[memory.Plan]) -> memory.Plan | None:
-    """The first plan after `current` in the order (fastest first) that cannot need more memory; None at the bottom.
+    """The fastest plan (`plans` run fastest first) that cannot need more memory than `current`; None at the bottom.
 
     "Cannot need more" is decided by the layout, not by the estimate that just proved wrong: no more sequences per
-    pass and no fewer recomputed layers, and one of the two strictly, so every step down makes progress and the
-    descent ends at one sequence per pass with every layer recomputed."""
-    def smaller(p: memory.Plan) -> bool:
-        fewer, more = p.sequences_per_pass <= current.sequences_per_pass, _recomputed(p) >= _recomputed(current)
-        return fewer and more and (p.sequences_per_pass, _recomputed(p)) != (current.sequences_per_pass, _recomputed(current))
+    pass, no fewer recomputed layers and no less offload, one of them strictly, so every step down makes progress
+    and the descent ends at one sequence per pass with every layer recomputed (and offloaded, on a GPU).  Among
+    those, one whose planned peak is lower than `current`'s first: a step with more passes keeps the earlier passes'
+    gradients alive, so its estimate can be higher, and it is taken only when no lower one is left."""
+    def key(p: memory.Plan) -> tuple[int, int, bool]:
+        return p.sequences_per_pass, _recomputed(p), p.offload
 
-    return next((p for p in plans if smaller(p)), None)
+    def smaller(p: memory.Plan) -> bool:
+        fewer, more, offloaded = p.sequences_per_pass <= current.sequences_per_pass, _recomputed(p) >= _recomputed(current), p.offload >= current.offload
+        return fewer and more and offloaded and key(p) != key(current)
+
+    below = [p for p in plans if smaller(p)]
+    return next((p for p in below if p.peak < current.peak), below[0] if below else None)
 
 
 def measured_peak() -> tuple[float, str]:
@@ -105,7 +112,7 @@ def _plans(job: Config, plan: memory.Plan) -> list[memory.Plan]:
     settings = job.settings
     return memory.candidates(
         config, model.parameter_count(config, settings.trust_remote_code), settings, job.precision, plan.capacity,
-        settings.activation_checkpointing, plan.processes, plan.strategy, plan.replicas,
+        settings.activation_checkpointing, plan.processes, plan.strategy, plan.replicas, plan.device, plan.tokens_per_sequence,
     )
 
 
@@ -190,7 +197,7 @@ class Ladder:
 
 def _short(plan: memory.Plan) -> str:
     return (f"{plan.sequences_per_pass} sequences x {plan.passes_per_step} passes, recomputation "
-            f"{memory.checkpointing_label(plan.checkpoint_every, plan.layers)} (planned peak ~{plan.peak / memory.GB:.1f} GB)")
+            f"{memory.checkpointing_label(plan.checkpoint_every, plan.layers)}{plan.offload_label} (planned peak ~{plan.peak / memory.GB:.1f} GB)")
 
 
 class _Watch(TrainerCallback):
