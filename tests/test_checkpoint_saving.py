@@ -3,7 +3,6 @@ counts once its background write is committed, and FT_SAVE_EVERY_MINUTES adds sa
 
 from __future__ import annotations
 
-import os
 import time
 from types import SimpleNamespace
 
@@ -190,53 +189,6 @@ def test_a_writer_process_dies_with_the_job_so_a_killed_job_leaves_no_writer_beh
             return True
 
     wait_for(gone, timeout=30, what=f"writer process {pid} to die with the job")
-
-
-def test_the_forked_writer_runs_only_on_cpu_time_training_leaves_idle(tiny_trainer, monkeypatch, tmp_path):
-    """At training's own priority the writer took a core from the steps after each save (docs/checkpoints.md)."""
-    trainer, saver, volume = tiny_trainer
-    original, seen = saving.write_snapshot, tmp_path / "writer-policy"
-
-    def recorded(*args):
-        seen.write_text(f"{os.getpid()} {os.sched_getscheduler(0)}")
-        original(*args)
-
-    monkeypatch.setattr(saving, "write_snapshot", recorded)
-    trainer.state.global_step = 8
-    saving.save(trainer, None, saver.saves, saver._commit)
-    wait_for(seen.exists, timeout=60, what="the writer to start")  # before training waits for it (that raises it back)
-    saver.saves.wait()
-    pid, policy = map(int, seen.read_text().split())
-    assert pid != os.getpid() and policy == os.SCHED_IDLE
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # training keeps its own
-    assert committed_steps(volume) == [8]
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority back needs CAP_SYS_NICE (root); without it the writer stays idle")
-def test_once_training_waits_for_the_writer_it_gets_trainings_priority_back(tiny_trainer, monkeypatch, tmp_path):
-    """On a machine busy with other processes an idle writer would wait behind them while training waits for it."""
-    import threading
-
-    trainer, saver, volume = tiny_trainer
-    original, writer, go = saving.write_snapshot, tmp_path / "writer-pid", tmp_path / "go"
-
-    def held(*args):
-        writer.write_text(str(os.getpid()))
-        wait_for(go.exists, timeout=120, what="the test's go")
-        original(*args)
-
-    monkeypatch.setattr(saving, "write_snapshot", held)
-    trainer.state.global_step = 9
-    saving.save(trainer, None, saver.saves, saver._commit)
-    wait_for(writer.exists, timeout=60, what="the writer to start")
-    pid = int(writer.read_text())
-    assert os.sched_getscheduler(pid) == os.SCHED_IDLE  # training runs on: the writer waits for idle cores
-    waiting = threading.Thread(target=saver.saves.wait)
-    waiting.start()  # the next save, a stop or the end of training waits for this one
-    wait_for(lambda: os.sched_getscheduler(pid) == os.SCHED_OTHER, timeout=60, what="the writer's priority to come back")
-    go.touch()
-    waiting.join(timeout=120)
-    assert committed_steps(volume) == [9]
 
 
 def test_the_cost_of_a_save_counts_the_steps_that_ran_slower_beside_its_write():

@@ -18,9 +18,6 @@ What makes the fork safe here (docs/checkpoints.md):
 - Signals: SIGTERM and SIGINT are blocked across the fork and ignored in the child, so a stop sent to the job's
   process group is the parent's alone (it waits for the child, then commits the stop step); the child is killed
   when the job dies (PR_SET_PDEATHSIG), so it never writes into a folder the next start has set aside.
-- Priority: the child runs at Linux's idle scheduling class (SCHED_IDLE), on CPU time training leaves idle, so it
-  takes no core from the training step; when training has to wait for it (the next save, a stop, the end) the
-  parent gives it training's priority back (`hurry`, where CAP_SYS_NICE allows).  Why, measured: docs/checkpoints.md.
 - An error in the child (a full volume) comes back through a pipe and is raised in the parent as it was raised
   there, causes included (diskfull.py recognises it as before); a child that dies is reported with its signal.
 """
@@ -70,17 +67,6 @@ class Child:
     def __init__(self, pid: int, report: int, folder: str):
         self.pid, self.report, self.folder = pid, report, folder
         self.faults = _minor_faults()
-        self._reaping = threading.Lock()  # held while the pid can still be the child's: never renice a reused pid
-        self._reaped = False
-
-    def hurry(self) -> None:
-        """Training waits for this writer now: it gets training's own CPU priority back, so that it does not also wait
-        behind other busy processes of the machine.  Raising a priority needs CAP_SYS_NICE (root has it); without it
-        the writer keeps the idle class, which in a container of its own competes only with the job, now waiting."""
-        with self._reaping:
-            if not self._reaped:
-                with contextlib.suppress(AttributeError, OSError):
-                    os.sched_setscheduler(self.pid, os.SCHED_OTHER, os.sched_param(0))
 
     def touched(self) -> int:
         """Bytes of pages the parent faulted in since the fork: its copy-on-write copies, and fresh allocations."""
@@ -89,9 +75,7 @@ class Child:
     def wait(self) -> None:
         with os.fdopen(self.report, "rb") as f:
             report = f.read()  # until the child's end closes it: a long report never fills the pipe
-        with self._reaping:  # the child has closed its end: it is exiting, so this wait is short
-            _, status = os.waitpid(self.pid, 0)
-            self._reaped = True
+        _, status = os.waitpid(self.pid, 0)
         if report:
             raise _reraised(pickle.loads(report), self.pid)  # noqa: S301 (our own child's bytes, never a file)
         if os.WIFSIGNALED(status):
@@ -144,7 +128,6 @@ def _child(write: Callable[[], None], read_end: int, report: int, parent: int, m
             _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the job died before the line above
             os._exit(code)
-        _idle_priority()
         gc.disable()
         _own_stdio()
         import torch
@@ -157,17 +140,6 @@ def _child(write: Callable[[], None], read_end: int, report: int, parent: int, m
             _send(report, error)
     finally:
         os._exit(code)
-
-
-def _idle_priority() -> None:
-    """The writer gets only the CPU time training leaves idle (Linux SCHED_IDLE; elsewhere the lowest nice).  At
-    training's priority it took one of the two cores from a step on a 2-core machine: tokens_per_s fell from ~220
-    to ~70 for the two steps after each save (docs/checkpoints.md).  It cannot raise its priority back itself
-    (unprivileged, that is one-way): the parent does when training waits for it (`Child.hurry`)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
 def _own_stdio() -> None:

@@ -45,7 +45,6 @@ class Saves:
         self._executor: ThreadPoolExecutor | None = None
         self._stager: Any = None
         self._inflight: Future | None = None
-        self._child: forked.Child | None = None  # the forked writer of the save in flight, if it is one
         self.costs = Costs()
 
     def stage(self, state_dict: dict) -> dict:
@@ -73,7 +72,6 @@ class Saves:
                 print(f"fulltune: warning: cannot fork the checkpoint writer ({error}); snapshots are copies from now on", flush=True)
                 self.forks = False
             else:
-                self._child = child
                 return lambda: self._wait_for(child)
         staged = self.stage(live())
         return lambda: write_snapshot(trainer, folder, staged)
@@ -111,9 +109,6 @@ class Saves:
             return 0.0
         began = time.perf_counter()
         inflight, self._inflight = self._inflight, None
-        child, self._child = self._child, None
-        if child is not None and not inflight.done():
-            child.hurry()  # training waits for it now: it must not wait behind other processes too
         inflight.result()
         return time.perf_counter() - began
 
