@@ -10,8 +10,13 @@ fsync, checksums, manifest; all while training waits) and the way it saves now (
 training waits for the host snapshot only, the rest runs in the background).  Per save: seconds blocked, seconds
 in the background, bytes.
 
-`job`: the job itself (entrypoint.py) on a random-init model of that size with the demo's tokenizer and data, a
-save every `--every` steps against one save at the end, interleaved over `--rounds`; end-to-end wall seconds.
+`job`: the job itself (entrypoint.py) on a random-init model of that size with the demo's tokenizer and data, both
+arms evaluating every `--every` steps: A saves every `--every` steps, B only at the end (the last step), run A B A B
+over `--rounds`; end-to-end wall seconds of each, the ratio of each pair, and what the job's own last cost line says
+(the share of its wall time blocked on checkpoints, and the share they cost, the slowed steps included).  The issue's
+case, a 101M-parameter model with 1.21 GB of state:
+
+    python bench/checkpoint_async.py job --out /tmp/ckjob --hidden 1048 --layers 8 --steps 16 --every 4 --rounds 3
 """
 
 from __future__ import annotations
@@ -115,33 +120,47 @@ def job(args: argparse.Namespace) -> None:
     common = {
         "FT_MODEL": model_dir, "FT_DATASET": os.path.join(assets, "demo", "data", "train.jsonl"), "FT_MAX_STEPS": str(args.steps),
         "FT_BATCH_SIZE": "1", "FT_GRADIENT_ACCUMULATION_STEPS": "2", "FT_MAX_LENGTH": "256", "FT_EVAL_STEPS": str(args.every),
-        "FT_EVAL_MAX_SAMPLES": "4", "FT_EVAL_SAMPLES": "0", "FT_LOGGING_STEPS": str(args.every), "FT_REGISTERED_MODEL": "",
+        "FT_EVAL_MAX_SAMPLES": "4", "FT_EVAL_SAMPLES": "0", "FT_EVAL_ROWS": "0", "FT_LOGGING_STEPS": str(args.every), "FT_REGISTERED_MODEL": "",
         "FT_SYSTEM_METRICS": "false", "FT_SAVE_TOTAL_LIMIT": "2", "FT_PLATFORM": "none",
     }
-    walls: dict[str, list[float]] = {"saves": [], "none": []}
-    blocked: dict[str, list[str]] = {"saves": [], "none": []}
+    # each arm: (name, checkout whose entrypoint.py runs, FT_SAVE_STEPS); B last, each A's ratio taken against it
+    arms = [(f"A {name}", root, args.every) for name, root in (pair.split("=", 1) for pair in args.also)]
+    arms += [("A", ROOT, args.every), ("B", ROOT, args.steps)]
+    walls: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+    blocked: dict[str, list[str]] = {name: [] for name, _, _ in arms}
+    overhead: dict[str, list[str]] = {name: [] for name, _, _ in arms}
     for round_ in range(args.rounds):
-        for kind in ("saves", "none"):
-            out = os.path.join(args.out, f"run-{kind}")
+        for name, root, save_steps in arms:  # interleaved: the machine's load changes under every arm alike
+            out = os.path.join(args.out, "run")
             shutil.rmtree(out, ignore_errors=True)
             env = {k: v for k, v in os.environ.items() if not k.startswith("FT_")} | common | {
-                "FT_OUTPUT_DIR": out, "FT_SAVE_STEPS": str(args.every if kind == "saves" else args.steps), "MLFLOW_TRACKING_URI": ""}
-            began = time.perf_counter()
-            done = subprocess.run([sys.executable, os.path.join(ROOT, "entrypoint.py")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
-            wall = time.perf_counter() - began
+                "FT_OUTPUT_DIR": out, "FT_SAVE_STEPS": str(save_steps), "MLFLOW_TRACKING_URI": ""}
+            used, began = os.times(), time.perf_counter()
+            done = subprocess.run([sys.executable, os.path.join(root, "entrypoint.py")], env=env, cwd=root, capture_output=True, text=True, timeout=3600)
+            wall, after = time.perf_counter() - began, os.times()
             if done.returncode != 0:
                 raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
-            lines = [line for line in done.stdout.splitlines() if "checkpoint_blocked_share=" in line]
-            walls[kind].append(wall)
-            blocked[kind].append(parse_line(lines[-1])["checkpoint_blocked_share"] if lines else "-")
-            print(f"round {round_ + 1} {kind}: {wall:.1f} s, blocked share {blocked[kind][-1]} (load {os.getloadavg()[0]:.1f})", flush=True)
+            lines = [parse_line(line) for line in done.stdout.splitlines() if "checkpoint_blocked_share=" in line]
+            walls[name].append(wall)
+            cpu[name].append(after.children_user + after.children_system - used.children_user - used.children_system)
+            blocked[name].append(lines[-1]["checkpoint_blocked_share"] if lines else "-")
+            overhead[name].append(lines[-1].get("checkpoint_overhead_share", "-") if lines else "-")
+            steps = " ".join(f"{line['step']}:{line['tokens_per_s']}" for line in map(parse_line, done.stdout.splitlines()) if "tokens_per_s" in line)
+            print(f"round {round_ + 1} {name}: {wall:.1f} s ({cpu[name][-1]:.0f} CPU-s), blocked share {blocked[name][-1]}, "
+                  f"overhead share {overhead[name][-1]} (load {os.getloadavg()[0]:.1f}); tokens/s {steps}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
-    print(f"| job ({args.steps} steps) | wall (s), each round | median | share of wall blocked on checkpoints (last save's line) |")
-    print("|---|---|---|---|")
-    for kind in walls:
-        label = f"a save every {args.every} steps" if kind == "saves" else "one save, at the end"
-        print(f"| {label} | {' · '.join(f'{w:.1f}' for w in walls[kind])} | {statistics.median(walls[kind]):.1f} | {' · '.join(blocked[kind])} |")
-    print(f"with saves / without: {statistics.median(walls['saves']) / statistics.median(walls['none']):.3f}")
+    print(f"| job ({args.steps} steps, eval every {args.every}) | wall (s), each round | median | CPU-s, each round | blocked share (the job's "
+          "last cost line) | overhead share (same line) |")
+    print("|---|---|---|---|---|---|")
+    for name, root, save_steps in arms:
+        label = f"{name}: one save, at the end" if save_steps == args.steps else f"{name}: a save every {save_steps} steps"
+        label += "" if root == ROOT else f" ({root})"
+        print(f"| {label} | {' · '.join(f'{w:.1f}' for w in walls[name])} | {statistics.median(walls[name]):.1f} | "
+              f"{' · '.join(f'{c:.0f}' for c in cpu[name])} | {' · '.join(blocked[name])} | {' · '.join(overhead[name])} |")
+    for name, _, _ in arms[:-1]:
+        pairs = " · ".join(f"{a / b:.3f}" for a, b in zip(walls[name], walls["B"], strict=True))
+        print(f"{name} / B: {statistics.median(walls[name]) / statistics.median(walls['B']):.3f} by the medians; each round: {pairs}")
 
 
 def main() -> None:
@@ -154,6 +173,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=CHECKOUT",
+                        help="job: also run arm A from another checkout (an older commit, a variant), interleaved with the others")
     args = parser.parse_args()
     state(args) if args.what == "state" else job(args)
 

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import ROOT, committed_steps, wait_for
 from trainer.checkpointing import commits, forked, manifest, saving
+from trainer.checkpointing.costs import Costs
 from trainer.core import settings
 from trainer.core.errors import ConfigError
 
@@ -188,3 +189,43 @@ def test_a_writer_process_dies_with_the_job_so_a_killed_job_leaves_no_writer_beh
             return True
 
     wait_for(gone, timeout=30, what=f"writer process {pid} to die with the job")
+
+
+def test_the_cost_of_a_save_counts_the_steps_that_ran_slower_beside_its_write():
+    """Blocked 0.1 s, then two steps beside the write at 3 s against clean steps of 1 s: it cost 4.1 s, not 0.1."""
+    costs = Costs(began=time.perf_counter() - 20)
+    for seconds in (1.2, 1.0, 0.9, 1.0):
+        costs.step(seconds, overlapped=False)
+    costs.blocked.append(0.1)
+    for seconds, overlapped in ((3.0, True), (3.0, True), (1.0, False)):
+        costs.step(seconds, overlapped)
+    assert costs.clean_step == 1.0
+    assert costs.overhead == pytest.approx(4.1)
+    assert costs.overhead_share == pytest.approx(4.1 / 20, rel=0.01) and costs.share == pytest.approx(0.1 / 20, rel=0.01)
+    assert costs.summary()["checkpoint_overhead_total_s"] == pytest.approx(4.1)
+    first = Costs(began=time.perf_counter() - 5, blocked=[0.2], steps=[(2.0, True)])
+    assert first.overhead == pytest.approx(0.2)  # no clean step yet: nothing to compare with
+
+
+def test_the_job_reports_what_the_steps_beside_a_background_write_lost_not_only_the_time_blocked(tmp_path):
+    """A write held 6 s, and each step beside it 1.5 s slower (tests/faults: what copy-on-write faults and a writer on
+    the same cores cost a loaded machine): the job's cost line, MLflow and the run report count those seconds."""
+    import mlflow
+
+    from conftest import job_env, run_job, with_faults
+    from trainer.console import progress
+
+    out, writing = tmp_path / "volume", tmp_path / "writing"
+    env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="12", FT_SAVE_STEPS="4", FT_EVAL_STEPS="4", FT_SAVE_TOTAL_LIMIT="2", FT_REGISTERED_MODEL="",
+                  FT_BATCH_SIZE="1", FT_GRADIENT_ACCUMULATION_STEPS="1", FT_EVAL_ROWS="0", FT_EVAL_SAMPLES="0")  # short steps: 1.5 s stands out
+    result = run_job(with_faults(env, slow_checkpoint_write=f"4:6:{writing}", slow_steps_while_writing="1.5"), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [progress.parse_line(line) for line in result.stdout.splitlines() if "checkpoint_blocked_s=" in line]
+    assert [line["step"] for line in lines] == ["4/12", "8/12", "12/12"]
+    assert float(lines[-1]["checkpoint_overhead_share"]) > float(lines[-1]["checkpoint_blocked_share"]) + 0.01
+
+    mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow/mlflow.db")
+    run = mlflow.search_runs(search_all_experiments=True, output_format="list")[0]
+    blocked, overhead = run.data.metrics["checkpoint_blocked_total_s"], run.data.metrics["checkpoint_overhead_total_s"]
+    assert overhead - blocked >= 1.5  # at least one step beside checkpoint 4's held write (about four, at 1.5 s each)
+    assert "checkpoint_overhead_total_s" in (out / "report.html").read_text()

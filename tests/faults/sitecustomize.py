@@ -16,6 +16,9 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        before writing the weights and optimizer states (a stop or a kill that lands
                                        while a save is in flight, training going on); `*:4:<file>`: every checkpoint's
                                        write sleeps 4 s (a slow volume)
+  FAULT_SLOW_STEPS_WHILE_WRITING=0.5  each optimizer step that runs while a background checkpoint write is in flight sleeps
+                                       0.5 s inside `optimizer.step()`: what copy-on-write faults and a writer on the same
+                                       cores cost a loaded machine, made deterministic
   FAULT_FILL_VOLUME=<file>:<bytes>       fill the volume holding <file> with <file>, leaving <bytes> free (not the job's file:
                                        deleting it is making room), at the moment FAULT_FILL_VOLUME_AT says:
   FAULT_FILL_VOLUME_AT=4               after checkpoint 4 is committed; `final`: just before the final model is saved
@@ -143,9 +146,33 @@ def _slow_checkpoint_write(module):
     module.write_snapshot = write_snapshot
 
 
+def _slow_steps_while_writing(module):
+    import threading
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    seconds, writing = float(os.environ["FAULT_SLOW_STEPS_WHILE_WRITING"]), threading.Event()
+    original = module.Saves.start
+
+    def start(self, job):
+        def job_in_flight():
+            try:
+                job()
+            finally:
+                writing.clear()
+
+        writing.set()
+        original(self, job_in_flight)
+
+    module.Saves.start = start
+    register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: time.sleep(seconds) if writing.is_set() else None)
+
+
 def _saving_faults(module):
     if os.environ.get("FAULT_SLOW_CHECKPOINT_WRITE"):
         _slow_checkpoint_write(module)
+    if TRAINING_PROCESS and os.environ.get("FAULT_SLOW_STEPS_WHILE_WRITING"):
+        _slow_steps_while_writing(module)
     if os.environ.get("FAULT_WRITE_SPEED"):
         speed = float(os.environ["FAULT_WRITE_SPEED"])
         module.write_speed = lambda folder: speed
@@ -386,7 +413,7 @@ PATCHES = {  # module -> (variables, patch)
     "trainer.checkpointing.manifest": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
     "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES", "FAULT_NAN_LOSS_ON_RANK"), _model_faults),
-    "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE", "FAULT_WRITE_SPEED"), _saving_faults),
+    "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE", "FAULT_WRITE_SPEED", "FAULT_SLOW_STEPS_WHILE_WRITING"), _saving_faults),
     "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY", "FAULT_RECORD_GATHERED"), _trainer_faults),
     "torch.nn.parallel.distributed": (("FAULT_RECORD_DDP",), _record_ddp),
     "trainer.model.optim": (("FAULT_RECORD_OPTIMIZER",), _record_optimizer),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 
-from trainer.checkpointing.saving import Costs
+from trainer.checkpointing.costs import Costs
 
 BLOCKED_SHARE = 0.05  # auto: the share of the wall time saves may block training
 SPARE = 1.25  # auto: the next save starts once the last one's write has had this many times its measured length

@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 
 from trainer.checkpointing import saving
 from trainer.checkpointing.cadence import Cadence
+from trainer.checkpointing.costs import Costs
 from trainer.checkpointing.manifest import commit, committed, committed_bytes, damage, folders, last_committed, read_manifest
 from trainer.core import ranks
 
@@ -98,9 +99,10 @@ class CommitCheckpoints(TrainerCallback):
         self.saves = saving.Saves(pinned)
         self.cadence = Cadence(self.saves.costs, every_minutes, auto)
         self.saved_step: int | None = None  # the step `save_checkpoint` saved last (a plain Trainer never calls it)
+        self._step: tuple[float, bool] | None = None  # (perf_counter, a write in flight) when the step in progress began
 
     @property
-    def costs(self) -> saving.Costs:
+    def costs(self) -> Costs:
         return self.saves.costs
 
     def save_checkpoint(self, trainer, trial) -> None:
@@ -146,7 +148,14 @@ class CommitCheckpoints(TrainerCallback):
         self.saves.costs.began = time.perf_counter()
         self.cadence.started(state.global_step)
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step = (time.perf_counter(), self.saves.in_flight)  # a save starts between steps: in flight now, or not at all
+
     def on_step_end(self, args, state, control, **kwargs):
+        if self._step is not None:  # each step's time, and whether a write overlapped it (checkpointing/costs.py)
+            began, overlapped = self._step
+            self.saves.costs.step(time.perf_counter() - began, overlapped)
+            self._step = None
         self.saves.raise_if_failed()
         if ranks.is_main() and (line := self.cadence.cost_line(state.global_step, args.save_steps, args.eval_steps)):
             print(line, flush=True)

@@ -22,7 +22,6 @@ joins), in the foreground; only their commit is in the background.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -30,42 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from trainer.checkpointing import forked
+from trainer.checkpointing.costs import Costs
 from trainer.core import ranks
 
 TRAINING_ARGS_JSON = "training_args.json"  # instead of transformers' training_args.bin, a pickle of the arguments
 PROBE_BYTES = 32 << 20  # written and flushed once at start to measure the volume: ~0.25 s at 0.125 GB/s
-
-
-@dataclasses.dataclass
-class Costs:
-    """What checkpoints cost the training loop, for the progress line, MLflow and the run report."""
-
-    began: float | None = None  # perf_counter at the start of training
-    blocked: list[float] = dataclasses.field(default_factory=list)  # seconds training waited, per save
-    waited: float = 0.0  # of those, seconds spent waiting for the previous save to finish
-    own: list[float] = dataclasses.field(default_factory=list)  # of each save's, the seconds it blocked for itself (no wait for the one before)
-    background: list[float] = dataclasses.field(default_factory=list)  # seconds each background write and commit took
-    touched: list[int] = dataclasses.field(default_factory=list)  # bytes of pages training touched while a forked writer ran
-    bytes: int = 0  # of the last committed checkpoint
-
-    @property
-    def last(self) -> float:
-        return self.blocked[-1] if self.blocked else 0.0
-
-    @property
-    def share(self) -> float:
-        """Fraction of the wall time since training began spent blocked on checkpoints."""
-        elapsed = time.perf_counter() - self.began if self.began else 0.0
-        return sum(self.blocked) / elapsed if elapsed > 0 else 0.0
-
-    def summary(self) -> dict[str, float]:
-        return {
-            "checkpoint_blocked_s": self.last,
-            "checkpoint_blocked_total_s": sum(self.blocked),
-            "checkpoint_blocked_share": self.share,
-            "checkpoint_saves": len(self.blocked),
-            "checkpoint_waited_s": self.waited,
-        }
 
 
 class Saves:

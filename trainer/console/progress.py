@@ -10,9 +10,12 @@ not activation checkpointing's, nor the attention kernel's in its backward, nor 
 loss recomputes; tests/test_progress_flops.py holds it to torch's FlopCounterMode).  `mem_gb` is
 `torch.cuda.max_memory_allocated` on GPU and the peak RSS on CPU.  `eta_s` extrapolates the mean
 wall time per step so far, evaluations included.  Keys without a value on this device are left out.
-At each checkpoint save a line says what it cost (checkpointing/saving.py):
+At each checkpoint save a line says what it cost (checkpointing/costs.py): the seconds this save blocked training,
+the share of the wall time blocked so far, and the share that checkpoints cost so far, blocked time plus the slowdown
+of the steps that ran beside a background write (known once those steps ran: the line at the end of training
+gives the last ones, when there were steps after the last save):
 
-    fulltune: step=25/50 checkpoint_blocked_s=0.84 checkpoint_blocked_share=0.012 checkpoint_waited_s=0.00
+    fulltune: step=25/50 checkpoint_blocked_s=0.84 checkpoint_blocked_share=0.012 checkpoint_waited_s=0.00 checkpoint_overhead_share=0.041
 
 (`checkpoint_waited_s`: of the seconds blocked so far, those spent waiting for the previous save's write.)
 """
@@ -42,7 +45,7 @@ def peak_flops(device_name: str) -> float | None:
 
 FORMATS = {
     "loss": "{:.4f}", "eval_loss": "{:.4f}", "lr": "{:.3g}", "tokens_per_s": "{:.0f}", "mfu": "{:.3f}", "mem_gb": "{:.1f}", "eta_s": "{:.0f}",
-    "checkpoint_blocked_s": "{:.2f}", "checkpoint_blocked_share": "{:.3f}", "checkpoint_waited_s": "{:.2f}",
+    "checkpoint_blocked_s": "{:.2f}", "checkpoint_blocked_share": "{:.3f}", "checkpoint_waited_s": "{:.2f}", "checkpoint_overhead_share": "{:.3f}",
 }  # fmt: skip
 
 
@@ -77,7 +80,7 @@ class Progress(TrainerCallback):
         self.tracker, self.config, self.n_params, self.sequences_per_step, self.cuda = tracker, config, n_params, sequences_per_step, cuda
         self.telemetry = telemetry or Telemetry()
         self.by_epochs = by_epochs  # FT_NUM_EPOCHS: the line also says which epoch the step is in
-        self.checkpoint_costs = checkpoint_costs  # checkpointing/saving.Costs: what each save blocked training
+        self.checkpoint_costs = checkpoint_costs  # checkpointing/costs.Costs: what each save blocked training
         self.peak = None
         if cuda:
             import torch
@@ -86,6 +89,7 @@ class Progress(TrainerCallback):
         self.step_time = 0.0  # seconds inside optimizer steps since the last line
         self.last_tokens, self.last_step = 0, 0
         self.began = self.step_started = None
+        self.costs_steps = 0  # steps timed by checkpoint_costs when its line was printed last
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.began = time.perf_counter()
@@ -104,15 +108,25 @@ class Progress(TrainerCallback):
         self.telemetry.step(state.global_step, last=state.global_step >= state.max_steps or bool(getattr(control, "should_training_stop", False)))
 
     def on_save(self, args, state, control, **kwargs):
-        """At each save: the seconds it blocked training and the share of the wall time blocked on checkpoints so far."""
+        """At each save: the seconds it blocked training, and the shares of the wall time checkpoints cost so far."""
         costs = self.checkpoint_costs
         if costs is None or not costs.blocked:
             return
-        step = f"{state.global_step}/{state.max_steps}"
-        print(format_line({"step": step, "checkpoint_blocked_s": costs.last, "checkpoint_blocked_share": costs.share, "checkpoint_waited_s": costs.waited}),
-              flush=True)
+        self._checkpoint_line(state, costs)
         self.telemetry.checkpoint(costs.last, costs.share)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Steps that ran beside a write after the last save's line: the cost line again, with their slowdown."""
+        costs = self.checkpoint_costs
+        if costs is not None and costs.blocked and len(costs.steps) > self.costs_steps:
+            self._checkpoint_line(state, costs)
+
+    def _checkpoint_line(self, state, costs: Any) -> None:
+        values = {"step": f"{state.global_step}/{state.max_steps}", "checkpoint_blocked_s": costs.last, "checkpoint_blocked_share": costs.share,
+                  "checkpoint_waited_s": costs.waited, "checkpoint_overhead_share": costs.overhead_share}
+        print(format_line(values), flush=True)
         self.tracker.log_metrics(costs.summary(), state.global_step)
+        self.costs_steps = len(costs.steps)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
