@@ -92,6 +92,18 @@ def test_auto_leaves_out_a_save_whose_write_would_still_run_when_the_last_step_s
     assert decides(saver, 100, since_last_save=60.0, max_steps=120, began=100.0)
 
 
+def test_the_steps_slowed_beside_a_write_count_in_what_a_save_costs_and_stretch_autos_interval():
+    """On CPU most of a save's cost is paid by the steps that run beside its write (checkpointing/costs.py), not in
+    the time it blocked: auto's 5 % rule goes by both."""
+    saver = fake_saver(write=1.0, blocked=0.2)
+    assert saver.cadence.seconds() == pytest.approx(4.0)  # 20 x 0.2 s blocked
+    for seconds, overlapped in [(1.0, False), (1.0, False), (1.0, False), (1.6, True), (1.4, True)]:
+        saver.costs.step(seconds, overlapped)  # one save's write slowed two steps by 0.6 and 0.4 s
+    assert saver.cadence.measured()[1] == pytest.approx(1.2)
+    assert saver.cadence.seconds() == pytest.approx(24.0)  # 20 x (0.2 s blocked + 1.0 s slowed)
+    assert not decides(saver, 15, since_last_save=20.0) and decides(saver, 15, since_last_save=25.0)
+
+
 def test_before_the_first_write_is_measured_auto_goes_by_the_probes_estimate():
     saver = fake_saver()
     saver.cadence.expected_write = 40.0  # state size / the volume's speed measured at start
@@ -111,7 +123,7 @@ def test_the_log_says_once_what_a_fixed_cadence_costs_and_what_auto_would_do(cap
     saver = fake_saver(auto=False, write=30.0, blocked=0.5)
     decides(saver, 20, since_last_save=5.0, began=20.0, save_steps=10)  # 1 s a step: a save every 10 steps is 10 s of training
     line = capsys.readouterr().out
-    assert line.startswith("fulltune: checkpoint cost: a save blocked training 0.50 s and writes for 30.0 s in the background (measured);")
+    assert line.startswith("fulltune: checkpoint cost: a save cost training 0.50 s and writes for 30.0 s in the background (measured);")
     assert "at FT_SAVE_STEPS=10 (~10 s of training at 1.00 s a step) saves take 67.2% of the wall time" in line
     assert "and queue behind each other (each waits ~20 s for the one before)" in line
     assert line.rstrip().endswith("FT_SAVE_STEPS=auto would save every 40 steps")  # 37.5 s at 1 s a step, up to a multiple of 5

@@ -7,7 +7,9 @@ one save to the next:
 
 - the last writes took W s in the background: wait SPARE x W, so that a save never waits for the one before
   (a save never starts while one is still in flight either, whatever the estimate said);
-- the last saves blocked training B s each: wait B / BLOCKED_SHARE, so that saves block at most 5 % of the wall time.
+- the last saves cost training B s each: wait B / BLOCKED_SHARE, so that saves cost at most 5 % of the wall time.  B is
+  the time a save blocked training plus its share of the slowdown of the steps that ran beside a write (costs.py):
+  on CPU most of what a save costs is paid there, not in the time blocked.
 
 `FT_SAVE_EVERY_MINUTES`, set too, bounds the second floor (the work lost matters more than 5 %), never the first: a
 save that would wait for the previous one saves nothing sooner.  Before the first write is measured, W is the one
@@ -71,9 +73,11 @@ class Cadence:
         self.last_save = time.monotonic()
 
     def measured(self) -> tuple[float, float]:
-        """(write, blocked) seconds of one save: the longest of the recent ones; the probe's estimate and 0 before any."""
+        """(write, cost) seconds of one save: the longest recent write (the probe's estimate before any) and the longest time
+        a recent save blocked training, plus each save's share of the steps slowed beside writes; 0 before any."""
         write = max(self.costs.background[-RECENT:], default=self.expected_write or 0.0)
-        return write, max(self.costs.own[-RECENT:], default=0.0)
+        slowed = self.costs.slowdown / len(self.costs.blocked) if self.costs.blocked else 0.0  # each save's share of the steps slowed beside writes
+        return write, max(self.costs.own[-RECENT:], default=0.0) + slowed
 
     def seconds(self) -> float:
         """auto: seconds from one save to the next."""
@@ -103,7 +107,7 @@ class Cadence:
         self.told = True
         write, blocked = self.measured()
         how = "measured" if self.costs.background else "as the volume's speed at start predicts"
-        said = f"fulltune: checkpoint cost: a save blocked training {blocked:.2f} s and writes for {write:.1f} s in the background ({how})"
+        said = f"fulltune: checkpoint cost: a save cost training {blocked:.2f} s and writes for {write:.1f} s in the background ({how})"
         auto = interval(write, blocked, self.bound)
         if self.auto:
             return (f"{said}; FT_SAVE_STEPS=auto saves at the first evaluation step {auto:.0f} s after the last save, about every "
