@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow  # each test trains the demo job in a subprocess
 AUTO = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="2", FT_SAVE_STEPS="auto", FT_EVAL_STEPS="2",
             FT_SAVE_EVERY_MINUTES="0.02", FT_EVAL_MAX_SAMPLES="16", FT_EVAL_SAMPLES="0", FT_EVAL_ROWS="0", FT_EVAL_TASKS="",
             FT_REGISTERED_MODEL="", FT_SYSTEM_METRICS="false")
-PACE = {"seconds_per_step": "0.25"}  # ~10 s of steps at least: room for several saves, whatever the machine's load
+PACE = {"seconds_per_step": "0.5"}  # 20 s of steps at least: a slow write (5-7 s with its spare) fits between the first
+# save that auto allows and the last step, whatever the machine's load (at 0.25 s a step, a fast machine left no room)
 SLOW_WRITE_S = 4  # each background write sleeps this long first; the probe at start is faked to predict about as long
 
 
