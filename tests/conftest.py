@@ -271,7 +271,7 @@ def faults_of(item) -> list[str]:
 LONGEST_FIRST = (
     "test_scale_out", "test_preemption", "test_mirror", "test_storage_faults", "test_tracking_outage", "test_job", "test_learning", "test_telemetry",
     "test_documented_values", "test_stepdown", "test_lease", "test_push_to_hub", "test_bench", "test_memory", "test_log", "test_divergence",
-    "test_hub", "test_k8s", "test_lease_lock", "test_serving", "test_cloud_specs",
+    "test_hub", "test_k8s", "test_lease_lock", "test_serving", "test_cloud_specs", "test_cadence_job", "test_evaluation", "test_step_cost",
 )
 
 
