@@ -233,7 +233,8 @@ def for_data(job: Config, chosen: Plan, tokens_per_sequence: float | None) -> Pl
         return chosen
     settings = job.settings
     config = model.read_config(settings)
-    layouts = candidates(config, model.parameter_count(config, settings.trust_remote_code), settings, job.precision, chosen.capacity,
+    n_params = chosen.parameters or model.parameter_count(config, settings.trust_remote_code)  # the preflight's count, not the model built again
+    layouts = candidates(config, n_params, settings, job.precision, chosen.capacity,
                          settings.activation_checkpointing, chosen.processes, chosen.strategy, chosen.replicas, chosen.device, tokens_per_sequence)
     faster = next(c for c in layouts if c.fits)
     if (faster.sequences_per_pass, faster.checkpoint_every, faster.offload) != (chosen.sequences_per_pass, chosen.checkpoint_every, chosen.offload):
