@@ -10,6 +10,15 @@ fsync, checksums, manifest; all while training waits) and the way it saves now (
 training waits for the host snapshot only, the rest runs in the background).  Per save: seconds blocked, seconds
 in the background, bytes.
 
+`steps`: where a save's cost is paid, in one process without the Trainer: AdamW steps on the same random-init model,
+each kind of snapshot taken before a step, and the time of the steps after it against steps after no snapshot,
+interleaved.  `fork-hold`: a forked child that writes nothing and only holds the pages until the next snapshot (the
+copy-on-write faults alone); `fork-write`: a child that writes the state with `torch.save` and flushes it (the CPU
+path until now); `copy`: a copy into buffers kept from snapshot to snapshot, training waiting (no writer);
+`copy-write`: that copy, then a thread writing the buffers with `torch.save` and flushing them.
+
+    python bench/checkpoint_async.py steps --hidden 1048 --layers 8 --rounds 3 [--after 3]
+
 `job`: the job itself (entrypoint.py) on a random-init model of that size with the demo's tokenizer and data, both
 arms evaluating every `--every` steps: A saves every `--every` steps, B only at the end (the last step), run A B A B
 over `--rounds`; end-to-end wall seconds of each, the ratio of each pair, and what the job's own last cost line says
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -99,6 +109,85 @@ def state(args: argparse.Namespace) -> None:
     shutil.rmtree(args.out, ignore_errors=True)
 
 
+def steps(args: argparse.Namespace) -> None:
+    """Seconds blocked by each kind of snapshot and seconds it adds to the steps after it (see the module's docstring)."""
+    import threading
+
+    import torch
+
+    torch.manual_seed(0)
+    model = random_model(args.hidden, args.layers, 32000)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = torch.randint(0, 32000, (2, 192))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "state.pt")
+
+    def step() -> float:
+        began = time.perf_counter()
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - began
+
+    def write(state: dict) -> None:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def live() -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    buffers: dict = {}
+
+    def copy() -> dict:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if "stager" not in buffers:
+            buffers["stager"] = DefaultStager(StagingOptions(False, False, False, False))
+        return buffers["stager"].stage(live())
+
+    step(), step()  # AdamW's states exist and the allocator has settled
+    kinds = ("none", "fork-hold", "fork-write", "copy", "copy-write")
+    blocked: dict[str, list[float]] = {k: [] for k in kinds}
+    after: dict[str, list[float]] = {k: [] for k in kinds}
+    for round_ in range(args.rounds):
+        for kind in kinds:
+            began, child, writer = time.perf_counter(), 0, None
+            if kind.startswith("fork"):
+                child = os.fork()
+                if child == 0:
+                    torch.set_num_threads(1)
+                    write(live()) if kind == "fork-write" else time.sleep(3600)
+                    os._exit(0)
+            elif kind.startswith("copy"):
+                staged = copy()
+                if kind == "copy-write":
+                    writer = threading.Thread(target=write, args=(staged,))
+                    writer.start()
+            blocked[kind].append(time.perf_counter() - began)
+            after[kind].append(sum(step() for _ in range(args.after)))
+            if kind == "fork-hold":
+                os.kill(child, signal.SIGKILL)
+            if child:
+                os.waitpid(child, 0)
+            if writer is not None:
+                writer.join()
+            print(f"round {round_ + 1} {kind}: blocked {blocked[kind][-1]:.2f} s, next {args.after} steps {after[kind][-1]:.2f} s "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    base = statistics.median(after["none"])
+    params = sum(p.numel() for p in model.parameters())
+    print(f"params_m={params / 1e6:.0f} state_gb={12 * params / 1e9:.2f} threads={torch.get_num_threads()}")
+    print(f"| snapshot | blocked (s), median of {args.rounds} | next {args.after} steps (s), each round | excess over none's median (s) "
+          "| cost per save (s) |")
+    print("|---|---|---|---|---|")
+    for kind in kinds:
+        excess = statistics.median(after[kind]) - base
+        print(f"| {kind} | {statistics.median(blocked[kind]):.2f} | {' · '.join(f'{a:.2f}' for a in after[kind])} | {excess:+.2f} | "
+              f"{statistics.median(blocked[kind]) + excess:.2f} |")
+    shutil.rmtree(args.out, ignore_errors=True)
+
+
 def job(args: argparse.Namespace) -> None:
     """The job on a random-init model with the demo's tokenizer and data; wall seconds with saves and without."""
     from trainer.console.progress import parse_line
@@ -165,7 +254,7 @@ def job(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=("state", "job"))
+    parser.add_argument("what", choices=("state", "steps", "job"))
     parser.add_argument("--out", default="/tmp/fulltune-async-bench")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=24)
@@ -173,10 +262,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--after", type=int, default=3, help="steps: the steps timed after each snapshot")
     parser.add_argument("--also", action="append", default=[], metavar="NAME=CHECKOUT",
                         help="job: also run arm A from another checkout (an older commit, a variant), interleaved with the others")
     args = parser.parse_args()
-    state(args) if args.what == "state" else job(args)
+    {"state": state, "steps": steps, "job": job}[args.what](args)
 
 
 if __name__ == "__main__":
