@@ -115,12 +115,13 @@ class Settings:
     # -- After training: did it help? (trainer/evaluation/) --------------------------------------
     eval_rows: int = setting(64, "Held-out validation rows that the base and the fine-tuned model each answer after training (greedy, at most "
                                  "`FT_EVAL_MAX_NEW_TOKENS`), scored against the rows' own replies by exact match and chrF; 0 = none "
-                                 "([evaluation](evaluation.md)).", minimum=0, group="After training: evaluation")
+                                 "([evaluation](tracking-and-serving.md#evaluation-did-the-fine-tune-help-and-what-did-it-forget)).",
+                             minimum=0, group="After training: evaluation")
     eval_max_new_tokens: int = setting(256, "Most new tokens per answer of the `FT_EVAL_ROWS` score (an answer also ends at the end-of-turn token).",
                                        minimum=1)
     eval_tasks: str = setting("", "lm-evaluation-harness benchmarks that the base and the fine-tuned model are both scored on after training: "
                                   "comma-separated task names (`arc_easy,hellaswag`) and/or folders of task YAMLs of one's own (every task in "
-                                  "them); empty = none ([a cheap forgetting check](evaluation.md#a-cheap-forgetting-check)).")
+                                  "them); empty = none ([a cheap forgetting check](tracking-and-serving.md#a-cheap-forgetting-check)).")
     eval_limit: int = setting(0, "Score each benchmark task on its first N samples only (a cheap check, labelled `limit N` wherever the "
                                  "numbers are shown); 0 = every sample.", minimum=0)
     eval_max_regression: float = setting(0.0, "The gate: when a benchmark's score falls by more than this against the base model "
