@@ -13,7 +13,7 @@
 # older drivers, and the NVIDIA container variables); the "runtime" flavour would add a second ~3 GB copy
 # of the CUDA libraries that nothing loads.
 # CUDA 13 needs an R580 or newer driver on the host.  For R535-R570 hosts build the CUDA 12.6 flavour, torch's
-# CUDA 12 build of 2.13 (docs/gpu-first-run.md#which-image-for-which-driver):
+# CUDA 12 build of 2.13 (docs/gpus.md#which-image-for-which-driver):
 #   docker build --build-arg CUDA_VERSION=12.6.3 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 -t fulltune:cu126 .
 ARG CUDA_VERSION=13.0.3
 FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04

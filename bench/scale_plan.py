@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How many GPUs each Qwen3 size needs for a full fine-tune, from the job's own memory plan (no GPU, no download).
 
-    .venv/bin/python bench/scale_plan.py            # the table in docs/scaling-out.md
+    .venv/bin/python bench/scale_plan.py            # the table in docs/gpus.md#several-gpus-and-nodes
 
 For each model and card it prints the fewest processes (one per GPU) whose per-process plan fits, with the
 reference recipe's settings (bf16-mixed, FT_MAX_LENGTH=4096, 1 x 8 sequences per step per process, AdamW):

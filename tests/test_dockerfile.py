@@ -31,8 +31,8 @@ def test_base_image_is_an_nvidia_cuda_image_pinned_to_a_release():
 
 
 def _documented_builds() -> list[list[str]]:
-    """Every `docker build` command docs/gpu-first-run.md shows with a --build-arg."""
-    page = (REPO / "docs" / "gpu-first-run.md").read_text()
+    """Every `docker build` command docs/gpus.md shows with a --build-arg."""
+    page = (REPO / "docs" / "gpus.md").read_text()
     return [shlex.split(line.strip()) for line in page.splitlines() if line.strip().startswith("docker build") and "--build-arg" in line]
 
 
@@ -50,7 +50,7 @@ def test_the_documented_cuda_12_build_is_what_the_dockerfile_reads_and_a_mismatc
     """R535-R570 drivers cannot run CUDA 13 without forward compatibility: the page names a CUDA 12 build, whose build
     arguments must be ARGs of the Dockerfile, a base image tag of the same form, and a torch index of the same CUDA."""
     builds = _documented_builds()
-    assert builds, "docs/gpu-first-run.md shows no docker build with --build-arg"
+    assert builds, "docs/gpus.md shows no docker build with --build-arg"
     declared = _build_args(dockerfile())
     for command in builds:
         args = dict(command[i + 1].split("=", 1) for i, word in enumerate(command) if word == "--build-arg")

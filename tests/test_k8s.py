@@ -296,9 +296,9 @@ USER_IMAGE = "registry.example.org/team/fulltune:2.3.4"
 
 def _documented_kubectl_edit() -> str:
     """The shell lines docs/deployment.md gives for setting the image with kubectl alone: the heredoc that adds an
-    `images:` entry to the overlay's kustomization.yaml (docs/scaling-out.md gives the same lines)."""
+    `images:` entry to the overlay's kustomization.yaml (docs/gpus.md#scaling-out-on-kubernetes gives the same lines)."""
     blocks = []
-    for page in ("deployment.md", "scaling-out.md"):
+    for page in ("deployment.md", "gpus.md"):
         text = (REPO / "docs" / page).read_text()
         start = text.index('cat >> "k8s/overlays/$OVERLAY/kustomization.yaml" <<EOF')
         blocks.append(text[start : text.index("\nEOF\n", start) + len("\nEOF\n")])

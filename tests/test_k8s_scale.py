@@ -486,8 +486,8 @@ def test_the_indexed_jobs_two_pods_are_admitted_together_by_kueue_as_rendered(re
 
 
 def test_scaling_out_guide_applies_each_overlay_and_names_files_that_exist():
-    guide = (REPO / "docs" / "scaling-out.md").read_text()
-    section = guide.split("\n## Scaling out on Kubernetes\n", 1)[1].split("\n## ", 1)[0]
+    guide = (REPO / "docs" / "gpus.md").read_text()
+    section = guide.split("\n### Scaling out on Kubernetes\n", 1)[1].split("\n### ", 1)[0]
     assert 'kubectl apply -k "k8s/overlays/$OVERLAY"' in section
     choices = re.search(r"\nOVERLAY=\S+ +# (.+)\n", section).group(1)
     assert set(re.findall(r"[\w-]+", choices)) - {"or"} == set(SCALE_OVERLAYS)

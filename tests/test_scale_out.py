@@ -477,7 +477,7 @@ def test_a_rank_that_dies_fails_the_whole_job_fast(tmp_path):
     os.kill(worker, signal.SIGKILL)  # node 1's rank dies (OOM killer, hardware fault)
     codes = [node.wait(timeout=180) for node in nodes]
     took = time.monotonic() - killed_at
-    assert codes == [1, 1], codes  # docs/scaling-out.md: a rank that dies fails the job with exit 1 on every node
+    assert codes == [1, 1], codes  # docs/gpus.md#what-holds-with-several-processes: a rank that dies fails the job with exit 1 on every node
     assert took < 120, f"the surviving node needed {took:.0f} s to fail"
     print(f"exit codes {codes}, {took:.1f} s after the SIGKILL")
     assert committed_steps(out)[0] == 10  # the committed checkpoint is intact

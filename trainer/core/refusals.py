@@ -66,7 +66,7 @@ def _eval_tasks(values: dict[str, Any]) -> dict[str, str]:
         if not os.path.isdir(folder):
             problems["FT_EVAL_TASKS"] = f"{folder} is not a folder (a folder of lm-eval task YAMLs, or task names such as arc_easy)"
         elif not any(name.endswith((".yaml", ".yml")) for _, _, files in os.walk(folder) for name in files):
-            problems["FT_EVAL_TASKS"] = f"{folder} holds no task YAML (*.yaml): lm-eval's task format, see docs/evaluation.md#a-task-of-ones-own"
+            problems["FT_EVAL_TASKS"] = f"{folder} holds no task YAML (*.yaml): lm-eval's task format, see docs/tracking-and-serving.md#a-task-of-ones-own"
     if values["eval_max_regression"] and not values["eval_tasks"].strip():
         problems["FT_EVAL_MAX_REGRESSION"] = "gates on benchmarks: set FT_EVAL_TASKS too (or FT_EVAL_MAX_REGRESSION=0)"
     return problems

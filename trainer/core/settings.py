@@ -115,12 +115,13 @@ class Settings:
     # -- After training: did it help? (trainer/evaluation/) --------------------------------------
     eval_rows: int = setting(64, "Held-out validation rows that the base and the fine-tuned model each answer after training (greedy, at most "
                                  "`FT_EVAL_MAX_NEW_TOKENS`), scored against the rows' own replies by exact match and chrF; 0 = none "
-                                 "([evaluation](evaluation.md)).", minimum=0, group="After training: evaluation")
+                                 "([evaluation](tracking-and-serving.md#evaluation-did-the-fine-tune-help-and-what-did-it-forget)).",
+                             minimum=0, group="After training: evaluation")
     eval_max_new_tokens: int = setting(256, "Most new tokens per answer of the `FT_EVAL_ROWS` score (an answer also ends at the end-of-turn token).",
                                        minimum=1)
     eval_tasks: str = setting("", "lm-evaluation-harness benchmarks that the base and the fine-tuned model are both scored on after training: "
                                   "comma-separated task names (`arc_easy,hellaswag`) and/or folders of task YAMLs of one's own (every task in "
-                                  "them); empty = none ([a cheap forgetting check](evaluation.md#a-cheap-forgetting-check)).")
+                                  "them); empty = none ([a cheap forgetting check](tracking-and-serving.md#a-cheap-forgetting-check)).")
     eval_limit: int = setting(0, "Score each benchmark task on its first N samples only (a cheap check, labelled `limit N` wherever the "
                                  "numbers are shown); 0 = every sample.", minimum=0)
     eval_max_regression: float = setting(0.0, "The gate: when a benchmark's score falls by more than this against the base model "
@@ -215,12 +216,12 @@ class Settings:
     # -- Scaling out ---------------------------------------------------------------------------
     num_processes: int = setting(0, "Training processes on this node, one per GPU; 0 = every visible GPU (1 on CPU). More than one "
                                     "multiplies the effective batch: `FT_BATCH_SIZE` × `FT_GRADIENT_ACCUMULATION_STEPS` × processes "
-                                    "([scaling out](scaling-out.md)).", minimum=0, changes="training", group="Scaling out")
+                                    "([scaling out](gpus.md#several-gpus-and-nodes)).", minimum=0, changes="training", group="Scaling out")
     distributed: Literal["auto", "none", "ddp", "fsdp"] = setting("auto", "How several processes share the model: `ddp` gives each the whole "
                                                                           "model and averages gradients, `fsdp` shards weights, gradients "
                                                                           "and AdamW states across them (FSDP2, per decoder layer). `auto`: "
                                                                           "none for one process, else `ddp` when the memory plan fits a "
-                                                                          "whole model per GPU, else `fsdp` ([scaling out](scaling-out.md)).")
+                                                                          "whole model per GPU, else `fsdp` ([scaling out](gpus.md#several-gpus-and-nodes)).")
     num_nodes: int = setting(1, "Machines (pods) training together, each running this image with the same settings and its own "
                                 "`FT_NODE_RANK` on a volume every node mounts (ReadWriteMany). Filled in from Kubeflow "
                                 "Trainer's `PET_NNODES`, or `WORLD_SIZE` (PyTorchJob, Volcano).", minimum=1, changes="training")
@@ -231,10 +232,10 @@ class Settings:
     master_port: int = setting(29500, "Port of the rendezvous on node 0. Filled in from `PET_MASTER_PORT` or `MASTER_PORT`.", minimum=1)
     collective_timeout_seconds: int = setting(1800, "How long a rank waits in a collective (all-reduce, barrier) before the job "
                                                     "fails. Keep it above the slowest checkpoint save or evaluation on rank 0, "
-                                                    "which the other ranks wait for ([scaling out](scaling-out.md)).", minimum=60)
+                                                    "which the other ranks wait for ([scaling out](gpus.md#what-holds-with-several-processes)).", minimum=60)
     rendezvous_timeout_seconds: int = setting(1800, "Several nodes: how long each node waits at the rendezvous for the others to start (a pod "
                                                     "still pending, pulling the image or attaching the volume) before it exits 1 "
-                                                    "([scaling out](scaling-out.md#several-nodes-meeting)).", minimum=10)
+                                                    "([scaling out](gpus.md#several-nodes-meeting)).", minimum=10)
     # Not a variable: which platform's variables filled in unset settings (`platforms.py`), for the logs.
     detected_platform: str = "none"
 

@@ -99,7 +99,8 @@ def build_model(vocab_size: int, pad_token_id: int, eos_token_id: int):
 TASK = "fulltune_demo_reverse"  # the demo's benchmark (FT_EVAL_TASKS of the preset): an lm-eval task over local rows
 
 TASK_YAML = """# The demo's benchmark, written with the demo (trainer/data/demo.py): which of three orders of a held-out
-# list is its reversal, by the model's log-likelihood of each.  A task of one's own looks the same (docs/evaluation.md).
+# list is its reversal, by the model's log-likelihood of each.  A task of one's own looks the same
+# (docs/tracking-and-serving.md#a-task-of-ones-own).
 task: {task}
 dataset_path: json
 dataset_kwargs:

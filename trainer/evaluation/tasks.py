@@ -43,15 +43,15 @@ def resolve(spec: str) -> Benchmarks:
     if unknown:
         hints = [f"{name!r} (did you mean {', '.join(repr(m) for m in difflib.get_close_matches(name, known, n=3))}?)"
                  if difflib.get_close_matches(name, known, n=1) else repr(name) for name in unknown]
-        raise ConfigError(f"FT_EVAL_TASKS: no lm-eval task {', '.join(hints)}; `lm-eval ls tasks` lists the "
-                          f"{len(known)} this lm-eval knows, or name a folder of task YAMLs of your own (docs/evaluation.md)")
+        raise ConfigError(f"FT_EVAL_TASKS: no lm-eval task {', '.join(hints)}; `lm-eval ls tasks` lists the {len(known)} this "
+                          f"lm-eval knows, or name a folder of task YAMLs of your own (docs/tracking-and-serving.md#a-task-of-ones-own)")
     identities = {name: name for name in names}
     for folder in folders:
         digest = _folder_digest(folder)
         own = sorted(name for name, entry in manager.task_index.items()
                      if str(entry.yaml_path or "").startswith(folder + os.sep) and entry.kind.name == "TASK")
         if not own:
-            raise ConfigError(f"FT_EVAL_TASKS: {folder} defines no lm-eval task (a YAML with `task: <name>`; docs/evaluation.md#a-task-of-ones-own)")
+            raise ConfigError(f"FT_EVAL_TASKS: {folder} defines no lm-eval task (a YAML with `task: <name>`; docs/tracking-and-serving.md#a-task-of-ones-own)")
         identities |= {name: f"{name} ({folder}, sha256 {digest})" for name in own}
     return Benchmarks(tuple(identities), identities, manager)
 

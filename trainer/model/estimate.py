@@ -24,7 +24,8 @@ CUDA_CONTEXT, CUBLAS_WORKSPACE, ALLOCATOR_SLACK = 2**30 - 2**27, 2**27, 0.05  # 
 # NCCL's own device buffers, per communicator, outside the caching allocator (invisible to max_memory_allocated): its
 # channels' send/receive buffers (NCCL_BUFFSIZE, 4 MiB a protocol buffer, per peer and channel, up to 32 channels on
 # an NVLink H100) and, on NVSwitch machines, NVLS's multicast buffers.  An assumption of hundreds of MB to ~1 GiB
-# (NCCL's environment documentation); the first multi-GPU run measures it (docs/gpu-first-run.md).
+# (NCCL's environment documentation); the first multi-GPU run measures it
+# (docs/gpus.md#read-against-the-libraries-before-the-first-gpu-run-model-precision-sharding-memory).
 NCCL_BUFFERS = 2**30
 
 

@@ -45,7 +45,7 @@ def check_host_memory(precision: Precision, n_params: int, chosen: Any, cuda: bo
 
     Loading is a peak of its own: every process on this node reads the whole model into host memory in its weights'
     dtype before DDP moves it to its GPU or FSDP shards it (transformers 5.24 loads it whole on every rank, also with
-    accelerate's `cpu_ram_efficient_loading`: docs/scaling-out.md), 8 x 16 GB for Qwen3-4B on an 8-GPU node."""
+    accelerate's `cpu_ram_efficient_loading`: docs/gpus.md#what-holds-with-several-processes), 8 x 16 GB for Qwen3-4B on an 8-GPU node."""
     host, problems = host_memory_bytes(), []
     loading = processes_per_node * precision.weight_bytes * n_params
     if loading > host:
