@@ -1,7 +1,7 @@
 """One run of one variant of the benchmark, in its own process (started by bench/run.py).
 
 - `literal`: the seed notebook's `SFTTrainer` call, written out by hand: that is its point.
-- `fulltune` and every `--variant`: the job's own trainer, `trainer.job.build_trainer`, on a `Config` built
+- `fulltune` and every `--variant`: the job's own trainer, `trainer.sft_trainer.build_trainer`, on a `Config` built
   from `FT_*` values as entrypoint.py builds it, after the same stages `job.run` runs before it (memory
   plan, tokenizer, `data.prepare`).  Nothing here re-creates the job's `SFTTrainer` setup, so the benchmark
   measures what users run.  On GPU the weights are a random-init model built on the device (`net=`).
@@ -186,10 +186,10 @@ def fulltune_config(args, work: str, name: str, overrides: dict[str, str], cuda:
 
 
 def fulltune(config: Any, timer: Any = None, tracker: Any = None, plan: Any = None, callbacks: tuple = (), args: Any = None) -> Any:
-    """The job's trainer: the stages trainer/job.py runs before training, then `job.build_trainer` itself
+    """The job's trainer: the stages trainer/job.py runs before training, then `sft_trainer.build_trainer` itself
     (`tracker`: the job's MLflow run, none with --no-mlflow; `plan`: the memory plan to train with, as the job's
     step-down passes it; default the preflight's)."""
-    from trainer import job
+    from trainer import sft_trainer
     from trainer.data import prepare as data
     from trainer.model import loading as model
     from trainer.model import memory, recipe
@@ -202,7 +202,8 @@ def fulltune(config: Any, timer: Any = None, tracker: Any = None, plan: Any = No
     if config.cuda:  # random-init weights built on the GPU, in the precision's weight dtype (bf16 for bf16-sr)
         net = _gpu_model(settings.model, config.precision.dtype())
         net.config.pad_token_id = tokenizer.pad_token_id
-    trainer = job.build_trainer(config, tokenizer, prepared, plan, tracker=tracker, net=net, callbacks=((timer,) if timer is not None else ()) + callbacks)
+    trainer = sft_trainer.build_trainer(config, tokenizer, prepared, plan, tracker=tracker, net=net,
+                                        callbacks=((timer,) if timer is not None else ()) + callbacks)
     layout = f"{plan.sequences_per_pass}x{plan.passes_per_step}, {memory.checkpointing_label(plan.checkpoint_every, plan.layers)}"
     trainer.bench_layout = f"{layout}, {'on' if recipe.padding_free(settings, config.cuda) else 'off'}"
     trainer.bench_plan_gb = plan.peak / 1e9

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/dataloader.py [--steps 200] [--workers 0,2]
 
-Builds the Trainer of the real job (`trainer.job.build_trainer`: padding-free collator, 8 sequences a step) on
+Builds the Trainer of the real job (`trainer.sft_trainer.build_trainer`: padding-free collator, 8 sequences a step) on
 rows shaped like data.prepare's output (`input_ids` and `labels`, int32, Arrow-backed) with
 Capybara-like lengths (bench/synthetic.py's log-normal, mean ~1.1k tokens, cut at 2048), then times
 `get_train_dataloader()` alone: reading rows, collating, and handing the batch over.  The number to
@@ -45,7 +45,7 @@ def seconds_per_step(workers: int, data, steps: int, sequences_per_step: int) ->
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from bench import synthetic
-    from trainer import job
+    from trainer import sft_trainer
     from trainer.core import config as job_config
     from trainer.core import settings as settings_table
     from trainer.data import prepare as job_data
@@ -59,7 +59,7 @@ def seconds_per_step(workers: int, data, steps: int, sequences_per_step: int) ->
                            num_key_value_heads=1, head_dim=16)
         net = Qwen3ForCausalLM(tiny)
         prepared = job_data.Prepared(train=data, eval=data.select(range(2)), report={})
-        trainer = job.build_trainer(config, tokenizer, prepared, Plan(sequences_per_step, 1, 0, {}, 0.0), net=net)  # the job's own Trainer
+        trainer = sft_trainer.build_trainer(config, tokenizer, prepared, Plan(sequences_per_step, 1, 0, {}, 0.0), net=net)  # the job's own Trainer
         loader = trainer.get_train_dataloader()
         batches = iter(loader)
         next(batches)  # warm-up: workers fork and prefetch here

@@ -4,7 +4,7 @@
 
 Trains the demo preset as the README runs it (FT_PRESET=demo, nothing else changed but FT_SEED, which draws another
 validation split and data order: a stand-in for another CPU, whose kernels sum in another order and so move the
-trajectory) with the job's own trainer (`trainer.job.build_trainer`, after the stages trainer/job.py runs before
+trajectory) with the job's own trainer (`trainer.sft_trainer.build_trainer`, after the stages trainer/job.py runs before
 it, without MLflow), on `--threads` torch threads.  Every `--every` steps it answers `--prompts` held-out prompts
 (trainer/data/demo.py `held_out`) greedily, as the sample answers are made, and scores them with the job's one rule
 (trainer/evaluation/scoring.py).  Prints one line per scoring, then the first step at which 90 % are right and the
@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     from transformers import TrainerCallback
 
-    from trainer import job
+    from trainer import sft_trainer
     from trainer.core import config as job_config
     from trainer.core import settings as settings_table
     from trainer.data import demo
@@ -73,7 +73,7 @@ def main() -> None:
                   f"elapsed_s={time.perf_counter() - started:.0f}", flush=True)
 
     prepared = data.prepare(config.settings, tokenizer)
-    trainer = job.build_trainer(config, tokenizer, prepared, memory.preflight(config), callbacks=(Score(),))
+    trainer = sft_trainer.build_trainer(config, tokenizer, prepared, memory.preflight(config), callbacks=(Score(),))
     trainer.train()
     solid = next((step for step, right in scores if right >= 0.9 * len(pairs) and all(r >= 0.9 * len(pairs) for s, r in scores if s >= step)), None)
     last = scores[-1][0]

@@ -7,7 +7,7 @@
 # download), 2,000 synthetic conversations (mean ~1.1k tokens, long tail), 10 optimizer steps of 8 sequences, the
 # first 2 left out of tokens/s and MFU, evaluation every 5 steps, max length 2048.  One fresh process per variant, in
 # this order (the most needed first: what the time bound cuts is the last):
-#   fulltune   the job's defaults (trainer.job.build_trainer), planned for an 80 GB H100 and capped there
+#   fulltune   the job's defaults (trainer.sft_trainer.build_trainer), planned for an 80 GB H100 and capped there
 #   stepdown   planned for a 140 GB card, capped at 80 GB: runs out of memory, steps down (trainer/model/stepdown.py), finishes
 #   save       a Qwen3-1.7B-sized model (0.6B when the disk is short) saving at steps 2 and 4: the pinned DefaultStager
 #   literal    the seed notebook's SFTTrainer call, written out (capped at 80 GB too)

@@ -6,7 +6,7 @@
     bash bench/gpu_check.sh                            # GPU: random-init Qwen3-4B, within 540 s on an H100/H200
 
 The fulltune variants are the job's own trainer: bench/child.py builds the job's `Config` from `FT_*`
-values and calls `trainer.job.build_trainer`, after the stages `job.run` runs before it.  The literal
+values and calls `trainer.sft_trainer.build_trainer`, after the stages `job.run` runs before it.  The literal
 variant is the seed's `SFTTrainer` call, written out.  Both train the same model (same initial
 weights), on the same synthetic conversations, the same 90/10 split, the same number of optimizer
 steps and the same evaluation cadence, each in a fresh process so imports and peak memory are

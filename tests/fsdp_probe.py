@@ -4,7 +4,7 @@ writing what its prepared model really holds: for tests/test_scale_out.py.
 Started by torchrun as the launcher starts `-m trainer` (its command and accelerate's environment from
 trainer/launch/launcher.py `torchrun_command`, this script in place of the module).  `FULLTUNE_CONFIG`: the job's
 configuration (trainer/core/config.py); `PROBE_OUT`: the folder each rank writes `rank-N.json` to.  It plans, builds
-the trainer with trainer/job.py `build_trainer` and trains the configured steps; at the first optimizer step it records,
+the trainer with trainer/sft_trainer.py `build_trainer` and trains the configured steps; at the first optimizer step it records,
 for every FSDP2 module of the wrapped model, its mixed-precision policy, and for every parameter its dtype and mesh.
 """
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import TrainerCallback  # noqa: E402
 
-from trainer import job  # noqa: E402
+from trainer import sft_trainer  # noqa: E402
 from trainer.core import config as job_config  # noqa: E402
 from trainer.core import ranks  # noqa: E402
 from trainer.data import prepare as data  # noqa: E402
@@ -66,7 +66,7 @@ def main() -> None:
     prepared = ranks.main_first(lambda: data.prepare(settings, tokenizer))
     model_config = loading.read_config(settings)
     plan = memory.plan(model_config, loading.parameter_count(model_config), settings, config.precision, 0.0, "off", config.world_size)
-    trainer = job.build_trainer(config, tokenizer, prepared, plan)
+    trainer = sft_trainer.build_trainer(config, tokenizer, prepared, plan)
     trainer.add_callback(Record(trainer))
     trainer.train()
 

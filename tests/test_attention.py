@@ -195,7 +195,7 @@ def test_self_check_tolerance_passes_bf16_rounding_and_fails_a_small_real_error(
 def test_the_jobs_own_trainer_trains_bf16_mixed_through_a_strict_kernel(fresh, demo_assets, tmp_path):
     """build_trainer as the job calls it (recipe, TRL's padding-free collator, accelerate's bf16 autocast: on CPU here),
     with the strict stand-in where torch's kernel is looked up: two optimizer steps, every layer through the kernel."""
-    from trainer import job
+    from trainer import sft_trainer
     from trainer.core import settings as settings_table
     from trainer.core.config import Config
     from trainer.data import prepare as data
@@ -212,7 +212,7 @@ def test_the_jobs_own_trainer_trains_bf16_mixed_through_a_strict_kernel(fresh, d
     tokenizer = loading.load_tokenizer(settings)
     prepared = data.prepare(settings, tokenizer)
     plan = memory.plan(loading.read_config(settings), 10**6, settings, config.precision, 0.0, "off")
-    trainer = job.build_trainer(config, tokenizer, prepared, plan)
+    trainer = sft_trainer.build_trainer(config, tokenizer, prepared, plan)
     assert trainer.model.config._attn_implementation == attention.NATIVE and trainer.args.bf16
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
     trainer.train()

@@ -17,7 +17,7 @@ from bench import run as bench_run
 def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatch):
     import trl
 
-    from trainer import job
+    from trainer import sft_trainer
     from trainer.checkpointing import commits as checkpoints
     from trainer.checkpointing import job_trainer
     from trainer.console import progress
@@ -32,15 +32,15 @@ def test_bench_fulltune_variant_trains_the_jobs_own_trainer(tmp_path, monkeypatc
         built.append(original(*a, **kw))
         return built[-1]
 
-    original = job.build_trainer
-    monkeypatch.setattr(job, "build_trainer", build_trainer)
+    original = sft_trainer.build_trainer
+    monkeypatch.setattr(sft_trainer, "build_trainer", build_trainer)
     config = child.fulltune_config(args, str(tmp_path), "fulltune", {}, cuda=False)
     plan = memory.preflight(config)
     expected = recipe.sft_config(config.settings, config.precision, plan, cuda=False).to_dict()  # before the Trainer: it resets accelerate's state
     timer = child._timer(0.0)
     trainer = child.fulltune(config, timer)
 
-    assert built == [trainer], "bench/child.py must build the fulltune variant with trainer.job.build_trainer"
+    assert built == [trainer], "bench/child.py must build the fulltune variant with trainer.sft_trainer.build_trainer"
     assert isinstance(trainer, trl.SFTTrainer) and type(trainer) is job_trainer.trainer_class(config.cuda, plan.strategy)  # the job's class
     callbacks = trainer.callback_handler.callbacks
     for kind in (checkpoints.CommitCheckpoints, progress.Progress, metrics.MetricsCallback):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from conftest import QUICK_DEMO, committed_steps, job_env, run_job, termination_message
-from trainer import job
+from trainer import sft_trainer
 from trainer.checkpointing import divergence
 from trainer.core import config as job_config
 from trainer.core import settings as settings_table
@@ -72,7 +72,7 @@ def in_process(demo_assets, tmp_path, **env: str):
 @pytest.mark.faults("a loss above FT_LOSS_LIMIT")
 def test_a_loss_above_the_limit_stops_the_job_after_the_patience(demo_assets, tmp_path):
     config, tokenizer, prepared, plan = in_process(demo_assets, tmp_path, FT_LOSS_LIMIT="1", FT_DIVERGENCE_PATIENCE="3")  # the demo starts near 6
-    trainer = job.build_trainer(config, tokenizer, prepared, plan)
+    trainer = sft_trainer.build_trainer(config, tokenizer, prepared, plan)
     with pytest.raises(
         Diverged, match=r"training diverged at step 3: the training loss [\d.]+ is above FT_LOSS_LIMIT=1 at 3 logging step\(s\) in a row"
     ) as caught:
@@ -83,7 +83,7 @@ def test_a_loss_above_the_limit_stops_the_job_after_the_patience(demo_assets, tm
 
 def test_off_with_patience_0_and_a_limit_only_counts_when_set(demo_assets, tmp_path):
     config, tokenizer, prepared, plan = in_process(demo_assets, tmp_path, FT_LOSS_LIMIT="1", FT_DIVERGENCE_PATIENCE="0")
-    trainer = job.build_trainer(config, tokenizer, prepared, plan)
+    trainer = sft_trainer.build_trainer(config, tokenizer, prepared, plan)
     trainer.train()
     assert trainer.state.global_step == 4 and committed_steps(tmp_path / "volume") == [2, 4]
 
@@ -113,7 +113,7 @@ class PoisonWeights(TrainerCallback):
 @pytest.mark.faults("NaN weights in a checkpoint")
 def test_a_checkpoint_with_nan_weights_is_set_aside_uncommitted_even_with_the_loss_watch_off(demo_assets, tmp_path):
     config, tokenizer, prepared, plan = in_process(demo_assets, tmp_path, FT_DIVERGENCE_PATIENCE="0")
-    trainer = job.build_trainer(config, tokenizer, prepared, plan, callbacks=(PoisonWeights(),))
+    trainer = sft_trainer.build_trainer(config, tokenizer, prepared, plan, callbacks=(PoisonWeights(),))
     with pytest.raises(Diverged, match=r"at step 2: the weights hold NaN or infinite values \(model\.embed_tokens\.weight, .* and \d+ more\); "
                                        r"that checkpoint is set aside in .*checkpoint-2\.not-finite"):
         trainer.train()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from trainer import job
+from trainer import job, sft_trainer
 from trainer.core import config as job_config
 from trainer.core import settings as settings_table
 from trainer.core.errors import ConfigError, DataError
@@ -107,10 +107,10 @@ def base_env(demo_assets: Path, files: dict[str, str], output_dir: Path) -> dict
 
 def build(env: dict[str, str]):
     """The job's own path to its trainer, without MLflow: the configuration as entrypoint.py builds it, then
-    `job.before_training` (every check, the plan, the tokenizer and the data, as `job.run` calls it) and `job.build_trainer`."""
+    `job.before_training` (every check, the plan, the tokenizer and the data, as `job.run` calls it) and `sft_trainer.build_trainer`."""
     config = job_config.build(settings_table.load(env), cuda=False, bf16_supported=False)
     _, plan, _, tokenizer, prepared = job.before_training(config, Volume(config.settings.output_dir))
-    return job.build_trainer(config, tokenizer, prepared, plan), prepared
+    return sft_trainer.build_trainer(config, tokenizer, prepared, plan), prepared
 
 
 # -- What each value must visibly do, besides training -------------------------------------------------

@@ -9,7 +9,8 @@ import threading
 import time
 
 from trainer.core.volume import Volume
-from trainer.launch.lease import Lease, _this_pid_namespace
+from trainer.launch.lease import Lease
+from trainer.launch.pid_namespace import this_pid_namespace
 
 
 def _acquire_in_background(lease: Lease) -> threading.Event:
@@ -45,7 +46,7 @@ def test_a_lock_held_by_a_process_on_another_machine_is_kept_for_the_whole_lease
 
 
 def test_a_lock_left_by_a_dead_process_on_this_machine_is_broken_at_once(tmp_path):
-    place = _this_pid_namespace()
+    place = this_pid_namespace()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     _left_lock(tmp_path, {"pid": dead.pid, "attempt": "theirs", **place})
@@ -57,7 +58,7 @@ def test_a_lock_left_by_a_dead_process_on_this_machine_is_broken_at_once(tmp_pat
 def test_a_lock_held_by_a_live_process_on_this_machine_is_not_broken(tmp_path):
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        _left_lock(tmp_path, {"pid": alive.pid, "attempt": "theirs", **_this_pid_namespace()})
+        _left_lock(tmp_path, {"pid": alive.pid, "attempt": "theirs", **this_pid_namespace()})
         lease = Lease(str(tmp_path / "out"), 600, on_lost=lambda: None)
         got = _acquire_in_background(lease)
         assert not got.wait(12)  # longer than the old 10 s rule

@@ -100,7 +100,7 @@ def _train_with_layout(demo_assets, tmp_path, layout: str) -> tuple[Plan, int, l
 
     import torch
 
-    from trainer import job
+    from trainer import sft_trainer
     from trainer.core import config
     from trainer.data import demo
     from trainer.data import prepare as data
@@ -116,7 +116,7 @@ def _train_with_layout(demo_assets, tmp_path, layout: str) -> tuple[Plan, int, l
     built = config.build(settings, cuda=False, bf16_supported=False)
     plan = memory.preflight(built)
     tokenizer = model.load_tokenizer(settings)
-    trainer = job.build_trainer(built, tokenizer, data.prepare(settings, tokenizer), plan)  # the job's own trainer
+    trainer = sft_trainer.build_trainer(built, tokenizer, data.prepare(settings, tokenizer), plan)  # the job's own trainer
     passes = []
     trainer.model.register_forward_hook(lambda *_: passes.append(1) if torch.is_grad_enabled() else None)  # evaluation runs without grad
     trainer.train()

@@ -97,7 +97,7 @@ def test_the_models_attention_implementation_reads_back_from_its_config():
 def test_a_checkpoint_save_goes_through_the_jobs_background_path_and_never_through_transformers_own(demo_assets, tmp_path, monkeypatch):
     from transformers import Trainer
 
-    from trainer import job
+    from trainer import sft_trainer
     from trainer.core import config as job_config
     from trainer.core import settings as settings_table
     from trainer.data import prepare as data
@@ -117,7 +117,7 @@ def test_a_checkpoint_save_goes_through_the_jobs_background_path_and_never_throu
            "FT_PLATFORM": "none", "FT_REGISTERED_MODEL": "", "FT_TERMINATION_MESSAGE_PATH": "", "FT_EVAL_SAMPLES": "0"}
     config = job_config.build(settings_table.load(env), cuda=False, bf16_supported=False)
     tokenizer = loading.load_tokenizer(config.settings)
-    trainer = job.build_trainer(config, tokenizer, data.prepare(config.settings, tokenizer), memory.preflight(config))
+    trainer = sft_trainer.build_trainer(config, tokenizer, data.prepare(config.settings, tokenizer), memory.preflight(config))
     trainer.train()
     (saver,) = [cb for cb in trainer.callback_handler.callbacks if hasattr(cb, "save_checkpoint")]
     saver.wait_for_saves()

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT, job_env, run_job, termination_message
 from trainer.core.config import PRECISIONS
-from trainer.model import memory
+from trainer.model import disk_space, memory
 from trainer.model.memory import Plan
 
 QWEN3_4B = ROOT / "bench" / "qwen3-4b-config.json"
@@ -186,9 +186,9 @@ def test_preflight_exits_2_naming_the_settings_when_the_gpu_is_too_small(tmp_pat
 @pytest.mark.faults("a volume too small for the checkpoints")
 def test_disk_check_names_the_settings_when_checkpoints_do_not_fit(tmp_path):
     settings = _settings(FT_OUTPUT_DIR=str(tmp_path), FT_MAX_STEPS="1000", FT_SAVE_STEPS="25", FT_EVAL_STEPS="25")
-    problem = memory.check_disk(settings, n_params=10**12, precision=PRECISIONS["bf16-mixed"])  # a 1T model: 12 TB per checkpoint
+    problem = disk_space.check_disk(settings, n_params=10**12, precision=PRECISIONS["bf16-mixed"])  # a 1T model: 12 TB per checkpoint
     assert problem and "FT_SAVE_TOTAL_LIMIT" in problem and "FT_SAVE_STEPS" in problem
-    assert memory.check_disk(settings, n_params=1000, precision=PRECISIONS["bf16-mixed"]) is None
+    assert disk_space.check_disk(settings, n_params=1000, precision=PRECISIONS["bf16-mixed"]) is None
 
 
 @pytest.mark.faults("a model no single GPU fits")

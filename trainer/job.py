@@ -10,9 +10,10 @@ import sys
 import time
 from typing import Any
 
+from trainer import sft_trainer
 from trainer.checkpointing import commits as checkpoints
-from trainer.checkpointing import diskfull, divergence, job_trainer, layout, manifest, preemption, restore, uploads
-from trainer.console import overview, progress, quiet, shards, summary
+from trainer.checkpointing import diskfull, layout, manifest, preemption, restore, uploads
+from trainer.console import overview, quiet, summary
 from trainer.core import config as job_config
 from trainer.core import devices, locations, ranks, schedule
 from trainer.core import settings as settings_table
@@ -22,17 +23,16 @@ from trainer.core.errors import Preempted, StepDownRestart
 from trainer.core.volume import Volume
 from trainer.data import data_report, demo
 from trainer.data import prepare as data
-from trainer.evaluation import compare, samples, scoring
+from trainer.evaluation import compare, scoring
 from trainer.evaluation import stage as evaluation
 from trainer.evaluation import tasks as eval_tasks
 from trainer.launch import launcher
-from trainer.model import attention, fetch, hub, memory, recipe, step_cost, stepdown
+from trainer.model import fetch, hub, memory, step_cost, stepdown
 from trainer.model import loading as model
 from trainer.publishing import copies, final_model, hub_push
 from trainer.report import report
 from trainer.telemetry.feed import Telemetry
 from trainer.tracking import server as tracking_server
-from trainer.tracking.metrics import MetricsCallback
 from trainer.tracking.run import Tracker
 
 STARTED = time.perf_counter()  # the training process's start, for the summary line and FT_LOG_LEVEL=debug's timings
@@ -174,60 +174,6 @@ def _debug(settings: Any, stage: str) -> None:
         print(f"fulltune: debug: start-up: {stage} at {time.perf_counter() - STARTED:.2f} s", flush=True)
 
 
-def build_trainer(
-    config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, *, tracker: Tracker | None = None, net: Any = None, callbacks: tuple = (),
-    telemetry: Telemetry | None = None, after_commit: Any = None, write_seconds: float | None = None,
-) -> Any:
-    """The job's SFTTrainer for a configuration (bench/ measures exactly this one).
-
-    `tracker`: the job's run (none: a Trainer that tracks nothing); `net`: an already built model instead of
-    loading `FT_MODEL` (the GPU benchmark's random-init Qwen3-4B); `telemetry`: what the cluster sees (none: nothing);
-    `after_commit(folder)`: told of each committed checkpoint; `write_seconds`: one checkpoint's write as predicted at
-    start, which FT_SAVE_STEPS=auto goes by until a write is measured.
-    """
-    from transformers import EarlyStoppingCallback, PrinterCallback
-    from transformers.integrations import KubeflowCallback
-
-    settings, cuda = config.settings, config.cuda
-    tracker = tracker or Tracker(config, enabled=False)
-    net = recipe.prepare_model(net if net is not None else model.load_model(settings, tokenizer, config.precision), settings, cuda, config.precision)
-    if tracker is not None:
-        tracker.log(tags={"attention": attention.path_taken(net)})  # which attention trained (the loop, torch's varlen kernel, sdpa)
-    quiet.expect_tied_weights(net)  # the best-model reload does not report the tied LM head as missing
-    eval_rows = recipe.eval_rows(settings, prepared.eval)
-    steps = schedule.of(settings, len(prepared.train), config.world_size)
-    args = recipe.sft_config(settings, config.precision, plan, cuda, evaluate=eval_rows is not None, steps=steps)
-    sequences_per_step = settings.batch_size * settings.gradient_accumulation_steps
-    refuse = divergence.RefuseNonFiniteCheckpoint(Volume(settings.output_dir).incomplete)  # a NaN save never counts
-    saver = checkpoints.CommitCheckpoints(settings.save_total_limit, refuse, settings.save_every_minutes, pinned=cuda, after_commit=after_commit,
-                                          auto=settings.save_steps == "auto")
-    saver.cadence.expected_write = write_seconds
-    trainer = job_trainer.trainer_class(cuda, plan.strategy)(  # TRL's SFTTrainer, saving in the background; under FSDP it shards on CPU processes too
-        saver=saver,
-        model=net,
-        args=args,
-        optimizer_cls_and_kwargs=recipe.optimizer_cls_and_kwargs(config.precision, args),
-        data_collator=recipe.collator(settings, tokenizer, cuda),
-        train_dataset=prepared.train,
-        eval_dataset=eval_rows,
-        processing_class=tokenizer,
-        callbacks=[
-            saver,
-            *callbacks,
-            *([shards.ReportShards()] if plan.strategy == "fsdp" else []),
-            *samples.callbacks(config, tokenizer, prepared, plan, tracker),
-            *([EarlyStoppingCallback(early_stopping_patience=settings.early_stopping_patience)] if settings.early_stopping_patience else []),
-            MetricsCallback(tracker),
-            progress.Progress(tracker, net.config, net.num_parameters(), sequences_per_step, cuda, saver.costs, telemetry, by_epochs=steps.by_epochs),
-            # last: the diverged loss is logged and printed first
-            divergence.StopOnDivergence(settings.divergence_patience, settings.loss_limit, settle=saver.wait_for_saves),
-        ],
-    )
-    trainer.remove_callback(PrinterCallback)  # it prints each raw `logs` dict after the progress line (disable_tqdm=True installs it)
-    trainer.remove_callback(KubeflowCallback)  # added by TrainingArguments under Kubeflow Trainer; trainer/telemetry/kubeflow.py reports instead
-    return trainer
-
-
 def train(
     config: Config, tokenizer: Any, prepared: data.Prepared, plan: memory.Plan, stopper: preemption.StopOnSignal, run_report: report.RunReport,
     tracker: Tracker, telemetry: Telemetry, mirroring: uploads.Uploads | None = None, write_seconds: float | None = None,
@@ -241,8 +187,8 @@ def train(
         resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
         if stopper.requested:
             raise Preempted("stopped before training started; the committed checkpoints are unchanged")
-        trainer = build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry,
-                                after_commit=mirroring.committed if mirroring else None, write_seconds=write_seconds)
+        trainer = sft_trainer.build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry,
+                                            after_commit=mirroring.committed if mirroring else None, write_seconds=write_seconds)
         trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn
         stopper.saves = trainer.saver.saves  # a stop can commit the save in flight instead of starting another
         tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))

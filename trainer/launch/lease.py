@@ -52,6 +52,7 @@ from typing import Any
 from trainer.core.errors import StopAbandoned, VolumeInUse
 from trainer.core.files import write_json
 from trainer.core.volume import Volume
+from trainer.launch.pid_namespace import gone_from_this_machine, this_pid_namespace
 
 POLL_SECONDS = 0.25  # how often a watched lease is read again: the delay added to an exit 7
 
@@ -94,7 +95,7 @@ class Lease:
         self.seconds, self.on_lost = seconds, on_lost
         started = _now()
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "attempt": uuid.uuid4().hex, "started_at": started, "refreshed_at": started}
-        self.record |= {"lease_seconds": seconds, **_this_pid_namespace()}
+        self.record |= {"lease_seconds": seconds, **this_pid_namespace()}
         self.lost: dict[str, Any] | None = None  # the job that took the lease over
         self._released = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_every_third, name="fulltune-lease", daemon=True)
@@ -110,7 +111,7 @@ class Lease:
         if seen is None:
             return self._replace(None)
         holder = _parse(seen)
-        if self._gone_from_this_machine(holder):
+        if gone_from_this_machine(holder):
             taken = self._replace(seen)
             if taken:
                 print(f"fulltune: took over the lease of {self.output_dir} from a job on this machine whose process is gone ({describe(holder)})", flush=True)
@@ -148,24 +149,6 @@ class Lease:
             if now != seen:
                 return now
         return seen
-
-    def _gone_from_this_machine(self, holder: dict[str, Any]) -> bool:
-        """The holder ran in this pid namespace of this boot and its pid no longer exists (or is now ours)."""
-        place = _this_pid_namespace()
-        if not place or any(holder.get(key) != value for key, value in place.items()):
-            return False
-        pid = holder.get("pid")
-        if not isinstance(pid, int) or pid <= 0:
-            return False
-        if pid == os.getpid():
-            return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # it exists, under another user
-            return False
-        return False
 
     def _replace(self, expected: str | None) -> bool:
         """Write this job's lease if the file still holds `expected` (None: no file); False if another job got there first."""
@@ -231,7 +214,7 @@ class Lease:
         in this pid namespace and its pid no longer exists, or the lock stayed the same for the whole lease period
         (each write creates a new one with its own attempt and time).  Breaking on age alone would let two writers in
         when the volume merely stalls."""
-        mine = json.dumps({"pid": os.getpid(), "attempt": self.record["attempt"], "at": time.monotonic(), **_this_pid_namespace()})
+        mine = json.dumps({"pid": os.getpid(), "attempt": self.record["attempt"], "at": time.monotonic(), **this_pid_namespace()})
         seen, since = None, time.monotonic()
         while True:
             try:
@@ -265,7 +248,7 @@ class Lease:
 
     def _lock_holder_gone(self, holder: dict[str, Any]) -> bool:
         """Another thread of this job (the same attempt) is not gone; a process on this machine whose pid is gone is."""
-        return holder.get("attempt") != self.record["attempt"] and self._gone_from_this_machine(holder)
+        return holder.get("attempt") != self.record["attempt"] and gone_from_this_machine(holder)
 
     def _read_lock(self) -> str | None:
         return _text_or_none(self.lock)
@@ -282,17 +265,6 @@ def _parse(text: str) -> dict[str, Any]:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
-def _this_pid_namespace() -> dict[str, str]:
-    """What identifies the pid namespace of this boot of this machine: only there is a lease holder's pid checkable.
-    Empty where /proc does not say (not Linux): leases are then taken over by watching only."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip()
-        return {"boot_id": boot, "pid_namespace": os.readlink("/proc/self/ns/pid")}
-    except OSError:
-        return {}
 
 
 def _text_or_none(path: str) -> str | None:

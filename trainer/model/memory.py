@@ -13,23 +13,19 @@ highest phase fits.  Per parameter, before activations:
 docs/memory-plan.md describes every term, the CUDA-only ones (context, cuBLAS workspace, allocator slack)
 and `python entrypoint.py plan`, which prints this plan for a card.
 
-The disk check needs: a checkpoint (fp32 weights + AdamW states = 12 B/param, measured 3.0x the fp32
-weights on the demo model; bf16-sr: bf16 weights + fp32 states = 10 B/param, measured) times the
-retained ones (`FT_SAVE_TOTAL_LIMIT` + the best + the one being written before the oldest is deleted),
-plus the final model (bf16 on GPU or with bf16-sr, fp32 on CPU).
+The preflight also checks the volume's room (trainer/model/disk_space.py) and the host's memory
+(trainer/model/host_memory.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from trainer.core.config import Config, Precision, sharings
 from trainer.core.errors import ConfigError
 from trainer.core.settings import Settings
-from trainer.core.volume import Volume, free_bytes
-from trainer.model import step_cost
+from trainer.model import disk_space, step_cost
 from trainer.model.estimate import (  # noqa: F401  (the plan's public names stay here)
     LOSS_TILE_TOKENS,
     LOSS_TILE_VOCAB,
@@ -253,30 +249,6 @@ def device_capacity(settings: Settings, cuda: bool) -> float:
     return float(torch.cuda.get_device_properties(0).total_memory)
 
 
-def check_disk(settings: Settings, n_params: int, precision: Precision) -> str | None:
-    """None when the volume has room for the retained checkpoints and the final model, else the problem."""
-    free = free_bytes(settings.output_dir)
-    checkpoint_dir = Volume(settings.output_dir).checkpoints
-    existing = sum(1 for n in os.listdir(checkpoint_dir) if n.startswith("checkpoint-")) if os.path.isdir(checkpoint_dir) else 0
-    # by epochs the steps are known once the rows are, and FT_SAVE_STEPS=auto's saves once training runs: count every retained checkpoint
-    by_count = not settings.num_epochs and settings.save_steps != "auto"
-    steps_saved = settings.max_steps // settings.save_steps if by_count else settings.save_total_limit + 2
-    retained = min(settings.save_total_limit + 2, steps_saved)  # + the best + the one written before rotation
-    new = max(retained - existing, 0)
-    final = precision.serving_bytes * n_params
-    checkpoint = precision.checkpoint_bytes * n_params
-    need = new * checkpoint + final
-    if need <= free:
-        return None
-    return (
-        f"the volume at {os.path.abspath(settings.output_dir)} has {free / GB:.1f} GB free; this job needs ~{need / GB:.1f} GB: {new} more checkpoint(s) of "
-        f"{checkpoint / GB:.1f} GB ({'bf16' if precision.weight_bytes == 2 else 'fp32'} weights + AdamW states; "
-        f"FT_SAVE_TOTAL_LIMIT={settings.save_total_limit} + the best "
-        f"+ the one being written) and the final model ({final / GB:.1f} GB). Lower FT_SAVE_TOTAL_LIMIT, raise FT_SAVE_STEPS, "
-        "or mount a larger FT_OUTPUT_DIR volume."
-    )
-
-
 def preflight(job: Config) -> Plan:
     """Check what the model would load (trainer/model/trust.py), plan passes and recomputation from its config, then check GPU
     memory and disk space.
@@ -300,7 +272,7 @@ def preflight(job: Config) -> Plan:
     if not chosen.fits:
         fixes = "; or ".join(_fixes(config, n_params, settings, precision, capacity, job.world_size))
         problems.append(f"the estimated peak GPU memory does not fit: {chosen.describe()}. To fit, set {fixes} (or FT_PREFLIGHT=warn to try anyway).")
-    disk = check_disk(settings, n_params, precision)
+    disk = disk_space.check_disk(settings, n_params, precision)
     if disk:
         problems.append(disk)
     if host := check_host_memory(precision, n_params, chosen, cuda, job.processes_per_node):
