@@ -24,7 +24,7 @@ TRAINER_METHODS = [
     ("_save_optimizer_and_scheduler", ["output_dir"]),
     ("_save_scaler", ["output_dir"]),
     ("_save_rng_state", ["output_dir"]),
-    ("_save", ["output_dir", "state_dict"]),  # and job.py, for the model gathered from its FSDP shards
+    ("_save", ["output_dir", "state_dict"]),  # and publishing/final_model.py, for the model gathered from its FSDP shards
     ("store_flos", []),
 ]
 
