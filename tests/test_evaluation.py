@@ -171,24 +171,27 @@ def test_a_drop_is_measured_against_the_direction_lm_eval_says_is_better():
 
 
 def test_freeing_the_training_memory_leaves_no_reference_to_the_trained_model(tmp_path):
-    """What the job does before the evaluation loads its models: the trained model (and its optimizer state) can be collected."""
-    import gc
-
+    """What the job does before the evaluation loads its models: the trained model (and its optimizer state) and the
+    trainer are collected, although the job trained them frozen out of the collector's walks (trainer/core/collector.py)
+    and the trainer sits in reference cycles (as transformers' hooks and the job's callbacks put it)."""
     from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from trainer.evaluation.stage import free_training_memory
+    from trainer.core import collector
+    from trainer.evaluation.stage import empty_device, free_training_memory
 
     assets = Path(demo.ensure_demo(str(tmp_path)))
-    from transformers import AutoModelForCausalLM
-
     net = AutoModelForCausalLM.from_pretrained(assets / "model")
     rows = Dataset.from_list([{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]}] * 4)
     trainer = Trainer(model=net, args=TrainingArguments(output_dir=str(tmp_path / "t"), max_steps=1, use_cpu=True, report_to="none",
                                                         save_strategy="no", per_device_train_batch_size=2), train_dataset=rows)
-    trainer.train()
-    model, optimizer = weakref.ref(net), weakref.ref(trainer.optimizer)
+    trainer.itself = trainer  # cycles: only the collector frees them
+    net.trainer = trainer
+    with collector.frozen():
+        trainer.train()
+    model, optimizer, held = weakref.ref(net), weakref.ref(trainer.optimizer), weakref.ref(trainer)
     del net
     free_training_memory(trainer)
-    gc.collect()
-    assert model() is None and optimizer() is None
+    del trainer
+    empty_device()
+    assert model() is None and optimizer() is None and held() is None

@@ -14,8 +14,8 @@ from trainer import sft_trainer
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import diskfull, layout, manifest, preemption, restore, uploads
 from trainer.console import overview, quiet, summary
+from trainer.core import collector, devices, locations, ranks, schedule
 from trainer.core import config as job_config
-from trainer.core import devices, locations, ranks, schedule
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
@@ -89,8 +89,9 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
         telemetry.stage("saving")
         metadata = final_model.save_final(config, trainer, tokenizer, volume, tracker)
         state = trainer.state
-        evaluation.free_training_memory(trainer)  # the GPU's memory back before the evaluation stage loads its models
+        evaluation.free_training_memory(trainer)
         del trainer
+        evaluation.empty_device()  # the GPU's memory back before the evaluation stage loads its models
         refused = None
         if ranks.is_main():
             print(f"fulltune: final model: {volume.final_model} (transformers) and {volume.final} (MLflow model)", flush=True)
@@ -194,7 +195,7 @@ def train(
         tracker.began_training(int(resume.rsplit("-", 1)[1]) if resume else 0, started=time.time() - (time.perf_counter() - STARTED))
         print(f"fulltune: {'resuming from ' + resume if resume else 'starting from step 0'}", flush=True)
         estimate = config.precision.checkpoint_bytes * trainer.model.num_parameters()  # until a checkpoint says how big one is
-        with diskfull.reported(volume.root, lambda: diskfull.while_training(volume, trainer.state.global_step, estimate)):
+        with diskfull.reported(volume.root, lambda: diskfull.while_training(volume, trainer.state.global_step, estimate)), collector.frozen():
             trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -268,6 +269,7 @@ def main() -> int:
         ranks.leave()  # every collective has completed: the process group is destroyed, not left to the interpreter's exit
     sys.stdout.flush()
     record_exit(code)
+    collector.finished()
     if stepped_down:
         # The next plan is recorded and so is this code: nothing is left to do.  The other ranks may be held in a collective
         # and NCCL work still in flight, which the interpreter's teardown of the process group would wait for; the

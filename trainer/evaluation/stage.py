@@ -19,6 +19,7 @@ import json
 import time
 from typing import Any
 
+from trainer.core import collector
 from trainer.core.config import Config
 from trainer.core.errors import RegressionFound
 from trainer.core.files import read_json, write_json
@@ -202,6 +203,10 @@ def _track(tracker: Any, summary: dict[str, Any], done: dict) -> None:
 
 def _free() -> None:
     gc.collect()
+    _empty_device_cache()
+
+
+def _empty_device_cache() -> None:
     try:
         import torch
 
@@ -213,13 +218,18 @@ def _free() -> None:
 
 def free_training_memory(trainer: Any) -> None:
     """Drop every reference the trainer and accelerate hold to the training model, its gradients and the optimizer
-    state (on Qwen3-4B 48 GB of the GPU), so that the evaluation's models load into an empty device."""
+    state (on Qwen3-4B 48 GB of the GPU); `empty_device`, once the caller dropped the trainer, frees them."""
     trainer.accelerator.free_memory()  # accelerate's lists of prepared models, optimizers and schedulers
     for holder in (trainer, trainer.callback_handler):  # the callback handler keeps its own references, handed to every callback
         for name in ("model", "model_wrapped", "optimizer", "lr_scheduler"):
             if hasattr(holder, name):
                 setattr(holder, name, None)
-    _free()
+
+
+def empty_device() -> None:
+    """The trainer dropped: its memory back, before the evaluation stage loads its models into an empty device."""
+    collector.settle()  # the trainer and the model were frozen while training (trainer/core/collector.py): their cycles freed now
+    _empty_device_cache()
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # what the evaluation's models find taken (0 when nothing is left)
