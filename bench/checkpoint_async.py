@@ -90,8 +90,6 @@ def state(args: argparse.Namespace) -> None:
                 blocked = saver.costs.blocked[-1]
                 saver.saves.wait()
                 results[kind].append((blocked, saver.costs.background[-1], folder_bytes(folder)))
-                touched = saver.costs.touched[-1] if saver.costs.touched else 0
-                print(f"async save {i + 1}: pages touched by training while the writer ran {touched / 1e9:.2f} GB", flush=True)
             blocked, background, size = results[kind][-1]
             print(f"{kind} save {i + 1}: blocked {blocked:.2f} s, background {background:.2f} s, {size / 1e9:.2f} GB", flush=True)
             shutil.rmtree(folder)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT, committed_steps, wait_for
-from trainer.checkpointing import commits, forked, manifest, saving
+from conftest import committed_steps, wait_for
+from trainer.checkpointing import commits, manifest, saving
 from trainer.checkpointing.costs import Costs
 from trainer.core import settings
 from trainer.core.errors import ConfigError
@@ -39,7 +39,7 @@ def test_a_save_returns_before_its_slow_write_and_counts_only_once_committed(tin
     original = saving.write_snapshot
     writing, volume_answers = volume.parent / "writing", volume.parent / "volume-answers"
 
-    def slow(*args):  # a volume that holds the write until the test lets it go; files, as the write may run in a forked child
+    def slow(*args):  # a volume that holds the write until the test lets it go
         writing.touch()
         began = time.monotonic()
         while not volume_answers.exists() and time.monotonic() - began < 60:
@@ -92,52 +92,6 @@ def test_an_error_in_the_background_write_is_raised_at_the_next_wait(tiny_traine
     assert committed_steps(volume) == []
 
 
-def test_on_cpu_a_forked_process_writes_the_snapshot_and_a_stop_signal_sent_to_it_does_not_end_it(tiny_trainer, monkeypatch, tmp_path):
-    """The writer is another process (copy-free snapshot); SIGTERM to the job's process group reaches it too, and
-    only the job may act on it: the writer finishes and the checkpoint commits."""
-    import os
-    import signal
-
-    trainer, saver, volume = tiny_trainer
-    original, writer, go = saving.write_snapshot, tmp_path / "writer-pid", tmp_path / "go"
-
-    def marked(*args):
-        writer.write_text(str(os.getpid()))
-        wait_for(go.exists, timeout=60, what="the test's go")
-        original(*args)
-
-    monkeypatch.setattr(saving, "write_snapshot", marked)
-    trainer.state.global_step = 5
-    saving.save(trainer, None, saver.saves, saver._commit)
-    wait_for(writer.exists, timeout=60, what="the writer to start")
-    pid = int(writer.read_text())
-    assert pid != os.getpid()
-    os.kill(pid, signal.SIGTERM)
-    go.touch()
-    saver.saves.wait()
-    assert committed_steps(volume) == [5]
-    assert manifest.damage(str(volume / "checkpoints" / "checkpoint-5")) is None
-
-
-def test_a_writer_process_that_dies_leaves_the_checkpoint_uncommitted_and_the_error_says_how_it_died(tiny_trainer, monkeypatch):
-    import os
-    import signal
-
-    trainer, saver, volume = tiny_trainer
-    test = os.getpid()
-
-    def killed(*args):
-        assert os.getpid() != test, "the snapshot was not written by a forked process"
-        os.kill(os.getpid(), signal.SIGKILL)  # the kernel's out-of-memory killer, say
-
-    monkeypatch.setattr(saving, "write_snapshot", killed)
-    trainer.state.global_step = 6
-    saving.save(trainer, None, saver.saves, saver._commit)
-    with pytest.raises(forked.WriterFailed, match="killed by SIGKILL.*checkpoint-6 is not committed"):
-        saver.saves.wait()
-    assert committed_steps(volume) == []
-
-
 def test_save_every_minutes_saves_at_the_first_evaluation_step_after_the_interval():
     saver = commits.CommitCheckpoints(keep=2, every_minutes=1 / 60)  # one second
     args = SimpleNamespace(eval_steps=5, save_steps=1000)
@@ -162,33 +116,6 @@ def test_save_every_minutes_saves_at_the_first_evaluation_step_after_the_interva
 def test_a_negative_save_interval_exits_2_naming_the_variable():
     with pytest.raises(ConfigError, match="FT_SAVE_EVERY_MINUTES"):
         settings.load({"FT_PLATFORM": "none", "FT_SAVE_EVERY_MINUTES": "-1"})
-
-
-def test_a_writer_process_dies_with_the_job_so_a_killed_job_leaves_no_writer_behind(tmp_path):
-    """A job that exits during a write (a stop past its deadline, a SIGKILL) takes its writer with it: nothing
-    writes on into a folder the next start sets aside."""
-    import subprocess
-    import sys
-
-    script = (
-        "import os, sys, time\n"
-        "from trainer.checkpointing import forked\n"
-        "child = forked.start(lambda: time.sleep(120), 'checkpoint-1')\n"
-        "print(child.pid, flush=True)\n"
-        "os._exit(76)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 76, done.stderr
-    pid = int(done.stdout.split()[0])
-
-    def gone() -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # killed, not yet reaped by init
-        except FileNotFoundError:
-            return True
-
-    wait_for(gone, timeout=30, what=f"writer process {pid} to die with the job")
 
 
 def test_the_cost_of_a_save_counts_the_steps_that_ran_slower_beside_its_write():
@@ -229,3 +156,36 @@ def test_the_job_reports_what_the_steps_beside_a_background_write_lost_not_only_
     blocked, overhead = run.data.metrics["checkpoint_blocked_total_s"], run.data.metrics["checkpoint_overhead_total_s"]
     assert overhead - blocked >= 1.5  # at least one step beside checkpoint 4's held write (about four, at 1.5 s each)
     assert "checkpoint_overhead_total_s" in (out / "report.html").read_text()
+
+
+def test_on_cpu_training_steps_on_one_thread_fewer_while_a_write_runs_and_gets_it_back_after(tiny_trainer, monkeypatch):
+    """The writer gets a core of its own (saving.WriterCore): training's threads no longer wait on it at every operation."""
+    import torch
+
+    trainer, saver, volume = tiny_trainer
+    original, threads = saving.write_snapshot, torch.get_num_threads()
+    release, seen = volume.parent / "release", []
+
+    def held(*args):
+        seen.append(True)
+        wait_for(release.exists, timeout=60, what="the test to release the write")
+        original(*args)
+
+    monkeypatch.setattr(saving, "write_snapshot", held)
+    torch.set_num_threads(2)
+    try:
+        trainer.state.global_step = 8
+        saving.save(trainer, None, saver.saves, saver._commit)
+        wait_for(lambda: seen, timeout=60, what="the write to start")
+        assert torch.get_num_threads() == 1
+        saver.saves.between_steps()
+        assert torch.get_num_threads() == 1  # still writing: the core stays the writer's
+        release.touch()
+        wait_for(lambda: not saver.saves.in_flight, timeout=60, what="the write to end")
+        saver.saves.between_steps()
+        assert torch.get_num_threads() == 2 and committed_steps(volume) == [8]
+        gpu = saving.Saves(pinned=True)  # a GPU job's threads only feed the device
+        gpu._core.give()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -149,6 +149,7 @@ class CommitCheckpoints(TrainerCallback):
         self.cadence.started(state.global_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.saves.between_steps()
         self._step = (time.perf_counter(), self.saves.in_flight)  # a save starts between steps: in flight now, or not at all
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -1,11 +1,11 @@
 """What checkpoints cost training, measured where it is paid: for the progress line, MLflow and the run report.
 
 A background save costs training twice.  It blocks training for its snapshot (and any wait for the save before it),
-timed in `saving.save`.  Then, while it is written, the steps are slower: on CPU the optimizer step pays the
-copy-on-write faults of every page it rewrites while the forked writer still holds it, and the writer's
-serialisation, checksums and the kernel's writeback run on the same cores as training.  That second cost never
-shows in the time blocked (a 101M-parameter model on 2 cores: 0.6 % of the wall time blocked, while the job took
-30 % longer than without the saves; bench/RESULTS.md).  So each optimizer step is timed and marked by whether a
+timed in `saving.save`.  Then, while it is written, the steps are slower: the writer's serialisation, checksums
+and the kernel's writeback run on the same cores as training (on CPU), and it holds the GIL between its calls.
+That second cost never shows in the time blocked (with the forked writer CPU jobs had before, a 101M-parameter
+model on 2 cores: 0.6 % of the wall time blocked, while the job took 30 % longer than without the saves;
+bench/RESULTS.md).  So each optimizer step is timed and marked by whether a
 save was being written when it began (a save starts between two steps), and
 
     overhead = time blocked + sum over the steps that overlapped a write of (their time - the median clean step)
@@ -32,7 +32,6 @@ class Costs:
     waited: float = 0.0  # of those, seconds spent waiting for the previous save to finish
     own: list[float] = dataclasses.field(default_factory=list)  # of each save's, the seconds it blocked for itself (no wait for the one before)
     background: list[float] = dataclasses.field(default_factory=list)  # seconds each background write and commit took
-    touched: list[int] = dataclasses.field(default_factory=list)  # bytes of pages training touched while a forked writer ran
     bytes: int = 0  # of the last committed checkpoint
     steps: list[tuple[float, bool]] = dataclasses.field(default_factory=list)  # (seconds, a write in flight) per step
 

@@ -1,11 +1,12 @@
 """Checkpoint saves that do not stall training: a snapshot in host memory, written and committed in the background.
 
 Training waits only for the snapshot of the state, plus the few small files (scheduler, RNG states, trainer
-state).  On a GPU the snapshot is a copy into host memory by torch's checkpoint stager
-(`torch.distributed.checkpoint.staging.DefaultStager`, the one `dcp.async_save` uses; pinned buffers kept from one
-save to the next).  On CPU it is a fork (checkpointing/forked.py): the child writes the state frozen in its
-address space, copy-on-write, with no copy up front.  A background thread then writes the snapshot (or waits for
-the child), flushes and checksums every file and writes `commit.json` last (checkpointing/manifest.py).  At most
+state).  The snapshot is a copy into host memory by torch's checkpoint stager
+(`torch.distributed.checkpoint.staging.DefaultStager`, the one `dcp.async_save` uses), into buffers kept from one
+save to the next (pinned on a GPU).  On CPU too: a fork of the training process, the copy-free snapshot this replaced,
+cost the steps after each save 2-6x what the copy costs them (bench/RESULTS.md, docs/checkpoints.md).  A background
+thread then writes the snapshot, flushes and checksums every file and writes `commit.json` last
+(checkpointing/manifest.py).  At most
 one save is in flight: the next one first waits for it, and that wait is counted as time blocked.  A crash or
 SIGKILL in the background leaves a folder without a manifest, which the next start sets aside as it always did.
 
@@ -23,12 +24,12 @@ joins), in the foreground; only their commit is in the background.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from trainer.checkpointing import forked
 from trainer.checkpointing.costs import Costs
 from trainer.core import ranks
 
@@ -41,10 +42,10 @@ class Saves:
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
-        self.forks = not pinned  # on CPU the snapshot is a fork (forked.py); a fork that fails falls back to the copy
         self._executor: ThreadPoolExecutor | None = None
         self._stager: Any = None
         self._inflight: Future | None = None
+        self._core = WriterCore(enabled=not pinned)
         self.costs = Costs()
 
     def stage(self, state_dict: dict) -> dict:
@@ -65,22 +66,8 @@ class Saves:
 
         if not background:  # written before the save returns: nothing changes the state meanwhile
             return lambda: write_snapshot(trainer, folder, live())
-        if self.forks and forked.available() and not _cuda_initialized():
-            try:
-                child = forked.start(lambda: write_snapshot(trainer, folder, live()), folder)
-            except OSError as error:  # no memory or process left for a fork (a strict overcommit policy)
-                print(f"fulltune: warning: cannot fork the checkpoint writer ({error}); snapshots are copies from now on", flush=True)
-                self.forks = False
-            else:
-                return lambda: self._wait_for(child)
         staged = self.stage(live())
         return lambda: write_snapshot(trainer, folder, staged)
-
-    def _wait_for(self, child: forked.Child) -> None:
-        try:
-            child.wait()
-        finally:
-            self.costs.touched.append(child.touched())
 
     def start(self, job: Callable[[], None]) -> None:
         if self._executor is None:
@@ -91,11 +78,17 @@ class Saves:
             job()
             self.costs.background.append(time.perf_counter() - began)
 
+        self._core.give()
         self._inflight = self._executor.submit(timed)
 
     @property
     def in_flight(self) -> bool:
         return self._inflight is not None and not self._inflight.done()
+
+    def between_steps(self) -> None:
+        """Before each step: the writer's core back to training once the write has ended."""
+        if not self.in_flight:
+            self._core.take_back()
 
     def raise_if_failed(self) -> None:
         """Re-raise at once what failed in a save that has ended (a full volume), without waiting for one in flight:
@@ -109,7 +102,10 @@ class Saves:
             return 0.0
         began = time.perf_counter()
         inflight, self._inflight = self._inflight, None
-        inflight.result()
+        try:
+            inflight.result()
+        finally:
+            self._core.take_back()
         return time.perf_counter() - began
 
     def close(self) -> None:
@@ -122,6 +118,34 @@ class Saves:
             self._executor = None
 
 
+class WriterCore:
+    """On CPU, one of training's threads stands down while a write is in flight, so the writer has a core of its own.
+
+    Training's threads take every core and run each operation in lockstep (OpenMP): a writer thread that takes a core
+    from one of them holds up the other at every operation, so a step beside the write took ~2x longer and a save
+    cost training about twice the writer's own CPU time (bench/RESULTS.md).  With one thread fewer until the write
+    ends, the steps beside it run at the speed of that many threads and no longer wait on each other.  A GPU job's
+    threads only feed the device: left as they are.  Only the training thread changes the count, as OpenMP's is its own.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled, self._threads, self._owner = enabled, 0, 0
+
+    def give(self) -> None:
+        import torch
+
+        if self.enabled and not self._threads and (threads := torch.get_num_threads()) > 1:
+            self._threads, self._owner = threads, threading.get_ident()
+            torch.set_num_threads(threads - 1)
+
+    def take_back(self) -> None:
+        if self._threads and threading.get_ident() == self._owner:
+            import torch
+
+            torch.set_num_threads(self._threads)
+            self._threads = 0
+
+
 def write_snapshot(trainer: Any, folder: str, staged: dict) -> None:
     """Write the host snapshot in the Trainer's layout, with the Trainer's writer (see the module's docstring)."""
     import torch
@@ -131,7 +155,15 @@ def write_snapshot(trainer: Any, folder: str, staged: dict) -> None:
     os.remove(os.path.join(folder, TRAINING_ARGS_NAME))  # a pickle: nothing resumes from it, and unpickling can run code
     with open(os.path.join(folder, TRAINING_ARGS_JSON), "w", encoding="utf-8") as f:
         f.write(trainer.args.to_json_string())
-    torch.save(staged["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
+    crc32 = torch.serialization.get_crc32_options()
+    # The manifest checksums every file (checkpointing/manifest.py): zip's CRC-32 of each record would be a second pass
+    # over the whole optimizer state, 0.5-2 s of CPU per GB beside training (bench/RESULTS.md).  Only this write runs
+    # then: a save's own files are written before its background write starts, the next save's after it ends.
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(staged["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
+    finally:
+        torch.serialization.set_crc32_options(crc32)
 
 
 def save(trainer: Any, trial: Any, saves: Saves, committed: Callable[[str, int, str | None], None] | None, background: bool = True) -> str:
@@ -192,12 +224,6 @@ def save(trainer: Any, trial: Any, saves: Saves, committed: Callable[[str, int, 
     saves.costs.blocked.append(time.perf_counter() - began)
     saves.costs.own.append(saves.costs.blocked[-1] - waited)
     return folder
-
-
-def _cuda_initialized() -> bool:
-    import torch
-
-    return torch.cuda.is_initialized()
 
 
 def write_speed(folder: str) -> float | None:

@@ -15,8 +15,8 @@ GB = 1e9
 
 def checkpoint_staging_bytes(precision: Precision, n_params: int, strategy: str, processes: int) -> int:
     """Host memory a process holds for the snapshot of an asynchronous checkpoint (trainer/checkpointing/saving.py):
-    its weights and AdamW states, copied once and reused from save to save, on the main process (on CPU, the pages
-    training rewrites while the forked writer runs: the whole state at worst).  Under FSDP
+    its weights and AdamW states, copied into buffers kept from save to save, on the main process (on a GPU and on
+    CPU alike).  Under FSDP
     nothing is staged: each process writes its own shard through DCP straight from its memory (a tensor at a time
     from a GPU)."""
     return 0 if strategy == "fsdp" else precision.checkpoint_bytes * n_params
@@ -24,7 +24,7 @@ def checkpoint_staging_bytes(precision: Precision, n_params: int, strategy: str,
 
 def final_gather_bytes(precision: Precision, n_params: int, strategy: str) -> int:
     """Host memory the main process holds under FSDP when the final model is gathered, once, weights only
-    (trainer/job.py); without FSDP the model is saved from where it is."""
+    (trainer/publishing/final_model.py); without FSDP the model is saved from where it is."""
     return precision.weight_bytes * n_params if strategy == "fsdp" else 0
 
 
