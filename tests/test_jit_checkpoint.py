@@ -50,7 +50,7 @@ def run_and_signal(tmp_path, signum):
     log = tmp_path / "log"
     with open(log, "w") as handle:
         proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out")], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         wait_for(lambda: "step 3" in log.read_text(), timeout=120, what="training to start")
         proc.send_signal(signum)
         code = proc.wait(timeout=60)
