@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow  # each test trains in a subprocess until it is si
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
+    # Python leaves SIGINT ignored when it started so (a test run in the background of a shell: `pytest ... &`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from datasets import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from trainer.data import demo
