@@ -22,6 +22,11 @@ import gc
 from collections.abc import Iterator
 
 
+def imported() -> None:
+    """The modules just imported live as long as the process: no collection walks them (nothing else is alive yet)."""
+    gc.freeze()
+
+
 def settle() -> None:
     """Free what is garbage now, frozen objects included, then keep everything still alive out of later collections."""
     gc.unfreeze()
