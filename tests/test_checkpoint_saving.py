@@ -189,3 +189,36 @@ def test_on_cpu_training_steps_on_one_thread_fewer_while_a_write_runs_and_gets_i
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_training_takes_the_core_back_while_the_write_only_waits_for_the_disk(tiny_trainer, monkeypatch):
+    """The flush waits on the disk, not a core: once every file is written and checksummed, the next step gets its
+    thread back, while the checkpoint still counts only once flushed (manifest.commit's `read`, saving.Saves.flushing)."""
+    import os
+
+    import torch
+
+    trainer, saver, volume = tiny_trainer
+    threads, fsync = torch.get_num_threads(), os.fsync
+    release, flushing = volume.parent / "release", []
+
+    def held(fd):  # a disk that holds the flush until the test lets it go
+        flushing.append(fd)
+        wait_for(release.exists, timeout=60, what="the test to release the flush")
+        fsync(fd)
+
+    monkeypatch.setattr(manifest.os, "fsync", held)
+    torch.set_num_threads(2)
+    try:
+        trainer.state.global_step = 9
+        saving.save(trainer, None, saver.saves, saver._commit)
+        wait_for(lambda: flushing, timeout=60, what="the flush to start")
+        assert saver.saves.in_flight and torch.get_num_threads() == 1
+        saver.saves.between_steps()
+        assert torch.get_num_threads() == 2  # flushing: the core is training's again
+        assert committed_steps(volume) == []  # not counted before it is on the disk
+        release.touch()
+        saver.saves.wait()
+        assert committed_steps(volume) == [9] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

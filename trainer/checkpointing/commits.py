@@ -132,7 +132,7 @@ class CommitCheckpoints(TrainerCallback):
 
     def _commit(self, folder: str, step: int, best: str | None) -> None:
         """On the main rank, once every file of the checkpoint is written (in the background)."""
-        commit(folder, step)
+        commit(folder, step, read=self.saves.flushing)
         rotate(os.path.dirname(folder), self.keep, best)
         self.saves.costs.bytes = committed_bytes(folder)
         print(f"fulltune: committed checkpoint at step {step}: {folder}", flush=True)

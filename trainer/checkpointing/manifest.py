@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 
 import xxhash
 
@@ -33,25 +34,22 @@ def checksum(path: str) -> str:
     return digest.hexdigest()
 
 
-def _fsync_tree(folder: str) -> tuple[dict[str, int], dict[str, str]]:
-    """Flush every file to disk and checksum it (read back from the page cache: it was just written)."""
-    sizes, checksums = {}, {}
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            relative = os.path.relpath(path, folder)
-            sizes[relative], checksums[relative] = os.path.getsize(path), checksum(path)
-    return sizes, checksums
+def commit(folder: str, step: int, read: Callable[[], None] | None = None) -> None:
+    """Checksum and flush every file of the checkpoint, then write the manifest that makes it count.
 
-
-def commit(folder: str, step: int) -> None:
-    """Flush and checksum every file of the checkpoint, then write the manifest that makes it count."""
+    `read()` runs once every file is checksummed (read back from the page cache: they were just written), before
+    the flush, which waits on the disk and not the CPU: a background save hands its core back to training there
+    (checkpointing/saving.py)."""
     follow_umask(folder)  # readable by other uids, like every other file on the volume
-    sizes, checksums = _fsync_tree(folder)
-    sizes.pop(MANIFEST, None)
-    checksums.pop(MANIFEST, None)
+    paths = {os.path.relpath(os.path.join(root, name), folder): os.path.join(root, name) for root, _dirs, files in os.walk(folder) for name in files}
+    paths.pop(MANIFEST, None)
+    checksums = {relative: checksum(path) for relative, path in paths.items()}
+    if read is not None:
+        read()
+    for path in paths.values():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    sizes = {relative: os.path.getsize(path) for relative, path in paths.items()}
     write_json(os.path.join(folder, MANIFEST), {"step": step, "files": sizes, CHECKSUM: checksums, "committed_at": time.time()})
 
 

@@ -46,6 +46,7 @@ class Saves:
         self._stager: Any = None
         self._inflight: Future | None = None
         self._core = WriterCore(enabled=not pinned)
+        self._flushing = False  # the save in flight has only its flush left, which waits on the disk, not a core
         self.costs = Costs()
 
     def stage(self, state_dict: dict) -> dict:
@@ -79,15 +80,21 @@ class Saves:
             self.costs.background.append(time.perf_counter() - began)
 
         self._core.give()
+        self._flushing = False
         self._inflight = self._executor.submit(timed)
 
     @property
     def in_flight(self) -> bool:
         return self._inflight is not None and not self._inflight.done()
 
+    def flushing(self) -> None:
+        """Called by the save in flight once its CPU work is done (written and checksummed): from here it only waits
+        for the disk, and the next step takes the core back (~0.5 s of each 1.2 GB save on CPU, bench/RESULTS.md)."""
+        self._flushing = True
+
     def between_steps(self) -> None:
-        """Before each step: the writer's core back to training once the write has ended."""
-        if not self.in_flight:
+        """Before each step: the writer's core back to training once the write no longer needs it."""
+        if self._flushing or not self.in_flight:
             self._core.take_back()
 
     def raise_if_failed(self) -> None:
