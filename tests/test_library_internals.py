@@ -81,6 +81,35 @@ def test_the_evaluation_stage_switches_off_every_tqdm_bar_lm_eval_draws_and_puts
     assert vars(std.tqdm)["__init__"] is kept and not tqdm(range(3), disable=False, file=open(os.devnull, "w")).disable
 
 
+def test_lm_eval_still_calls_the_two_helpers_the_evaluation_stage_replaces_and_the_environment_is_gathered_once(monkeypatch):
+    """evaluation/harness.py replaces `get_git_commit_hash` and `add_env_info` in lm_eval.evaluator, which
+    `simple_evaluate` reads at every task: were either renamed there, the replacement would do nothing, silently."""
+    import types
+
+    import lm_eval.evaluator
+    import lm_eval.loggers.utils
+
+    from trainer.evaluation import harness
+
+    assert {"get_git_commit_hash", "add_env_info"} <= set(inspect.unwrap(lm_eval.evaluator.simple_evaluate).__code__.co_names)
+    gathered = []
+
+    def add_env_info(storage):  # lm-eval's own: torch's environment report, `pip list` included
+        gathered.append(True)
+        storage.update(pretty_env_info="the report", lm_eval_version="0.4")
+
+    monkeypatch.setattr(lm_eval.loggers.utils, "add_env_info", add_env_info)
+    harness._environment.cache_clear()
+    evaluator = types.SimpleNamespace()
+    harness._replace_helpers(evaluator)
+    first, second = {"results": 1}, {"results": 2}
+    evaluator.add_env_info(first)
+    evaluator.add_env_info(second)
+    assert first["pretty_env_info"] == second["pretty_env_info"] == "the report" and second["results"] == 2
+    assert len(gathered) == 1 and evaluator.get_git_commit_hash() == "fulltune"
+    harness._environment.cache_clear()
+
+
 def test_the_models_attention_implementation_reads_back_from_its_config():
     """model/recipe.py, model/attention.py and evaluation/samples.py read `config._attn_implementation` (transformers has
     no public getter) to learn which attention a model runs, and set it with the public `set_attn_implementation`."""

@@ -9,6 +9,7 @@ chat model, and both models are asked the same way so that the difference is the
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -24,9 +25,7 @@ def score(net: Any, tokenizer: Any, folder: str, task: str, manager: Any, limit:
     import lm_eval.evaluator
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its warnings on a model passed in memory, at every task, would fill the job's log
-    # lm-eval records the git commit of the folder it runs in by running `git describe`, which prints "fatal: not a git
-    # repository" into the job's log at every task (the job runs in no repository); the results record fulltune's own instead.
-    lm_eval.evaluator.get_git_commit_hash = lambda: "fulltune"
+    _replace_helpers(lm_eval.evaluator)
     model = _vllm(folder) if cuda and importlib.util.find_spec("vllm") else _hf(net, tokenizer, cuda)
     with _no_progress_bars(quiet):
         results = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, limit=limit or None, apply_chat_template=True,
@@ -35,6 +34,26 @@ def score(net: Any, tokenizer: Any, folder: str, task: str, manager: Any, limit:
     from lm_eval.utils import handle_non_serializable
 
     return json.loads(json.dumps(results, default=handle_non_serializable))  # its configs hold functions: kept as their text
+
+
+def _replace_helpers(evaluator: Any) -> None:
+    """Two helpers `simple_evaluate` calls at every task, replaced in lm-eval's evaluator module (docs/architecture.md,
+    library internals).  It records the git commit of the folder it runs in by running `git describe`, which prints
+    "fatal: not a git repository" into the job's log at every task (the job runs in no repository): the results record
+    fulltune's own instead.  And it adds torch's environment report (`add_env_info`: `pip list` and a dozen other
+    subprocesses, ~1 s per task on CPU), the same for every task of the process: gathered once."""
+    evaluator.get_git_commit_hash = lambda: "fulltune"
+    evaluator.add_env_info = lambda results: results.update(_environment())
+
+
+@functools.cache
+def _environment() -> dict[str, Any]:
+    """What lm-eval's own `add_env_info` adds to a task's results (the library's versions, torch's environment report)."""
+    from lm_eval.loggers.utils import add_env_info
+
+    info: dict[str, Any] = {}
+    add_env_info(info)
+    return info
 
 
 @contextlib.contextmanager
