@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# One OpenMP thread per process unless the caller chose: the tests run two at a time (pytest-xdist), and the tiny
+# One OpenMP thread per process unless the caller chose: the tests run four at a time (pytest-xdist), and the tiny
 # demo model's operations are too small to gain from more.  With torch's default (a thread per core), two jobs'
 # threads spin-wait against each other: two concurrent 8-step demo jobs took 61 s each, against 20 s with one thread
 # (same eval loss).  Set before anything imports torch, so this process and every job it starts keep it.
@@ -163,11 +163,25 @@ def demo_assets(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_job_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The demo job as the README runs it (240 steps, registered in the embedded store), run once for the tests that look at its results."""
-    out = tmp_path_factory.mktemp("demo") / "volume"
-    # MLflow samples system metrics every 10 s by default, longer than this demo job trains.
-    result = run_job(job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5"))
+def demo_job_run(tmp_path_factory, worker_id) -> tuple[Path, subprocess.CompletedProcess]:
+    """The demo job as the README runs it (240 steps, registered in the embedded store), run once for the tests that look at its results.
+
+    Once per test run, not once per pytest-xdist worker: three files read it (test_job, test_learning, test_serving),
+    and each worker is a session of its own, so the first worker to need it runs it under a file lock in the run's
+    shared temporary folder and the others read its volume and output (the tests only read them)."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if worker_id != "master" else base) / "demo-job"  # under xdist: the folder above each worker's
+    shared.mkdir(exist_ok=True)
+    out, record = shared / "volume", shared / "result.json"
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this worker dies
+        if not record.exists():
+            # MLflow samples system metrics every 10 s by default, longer than this demo job trains.
+            result = run_job(job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5"))
+            record.write_text(json.dumps({"args": result.args, "returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}))
+    result = subprocess.CompletedProcess(**json.loads(record.read_text()))
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result
 
