@@ -23,7 +23,8 @@ from conftest import ROOT, committed_steps, job_env, run_job, start_job, termina
 pytestmark = pytest.mark.slow  # every test starts the job in subprocesses
 
 LEASE = Path(".fulltune") / "lease.json"
-DEMO = dict(FT_PRESET="demo", FT_MAX_STEPS="20", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10")
+DEMO = dict(FT_PRESET="demo", FT_MAX_STEPS="20", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_BATCH_SIZE="4",
+            FT_GRADIENT_ACCUMULATION_STEPS="2")  # 8 sequences a step, not the preset's 64: the lease, not the learning
 
 
 def holder_named(lease: dict) -> str:

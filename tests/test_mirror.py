@@ -18,7 +18,8 @@ from conftest import committed_steps, job_env, max_weight_difference, run_job, s
 
 pytestmark = pytest.mark.slow  # every test starts the demo job in a subprocess
 
-STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2")
+STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2", FT_BATCH_SIZE="4",
+             FT_GRADIENT_ACCUMULATION_STEPS="2")  # 8 sequences a step, not the preset's 64: what is mirrored, not how well it learns
 DATA, BUCKET = "s3://fulltune-data/demo/train.jsonl", "fulltune-mirror"
 DOWN, BACK = "not answering since", "back (down since"
 FINAL_WEIGHTS = "final/model/model.safetensors"

@@ -29,7 +29,10 @@ from conftest import (
 
 pytestmark = pytest.mark.slow  # every test starts the demo job in a subprocess (and most train it)
 
-STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2")
+# 8 sequences a step, not the preset's 64: these tests are about when the job stops and what it resumes, which the
+# step's size does not change (a tenth of the CPU per step; the signals land where the tests/faults sleeps put them).
+STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2", FT_BATCH_SIZE="4",
+             FT_GRADIENT_ACCUMULATION_STEPS="2")
 SLOW = {"seconds_per_step": "0.15"}  # tests/faults: a signal lands while the (otherwise very fast) demo trains
 # Slower still where a signal must land before the next save: the checkpoint the test waits for is committed in the
 # background, seen by the test up to seconds later on a loaded machine (5 s of steps before the next save).
@@ -139,11 +142,16 @@ def test_resume_across_epoch_boundaries_is_exact(tmp_path):
 
 @pytest.mark.faults("SIGTERM just past the first epoch of FT_NUM_EPOCHS")
 def test_two_epochs_train_two_epochs_of_steps_and_a_stop_past_the_first_resumes_to_the_uninterrupted_weights(tmp_path):
-    settings = {"FT_PRESET": "demo", "FT_NUM_EPOCHS": "2", "FT_REGISTERED_MODEL": ""}  # as a user writes it; nothing is registered
+    from trainer.data import demo
+
+    data = tmp_path / "small.jsonl"  # 90 training rows at 8 sequences a step: 12 optimizer steps per epoch, the last short
+    data.write_text("".join(json.dumps(row) + "\n" for row in demo.conversations(100, seed=7)))
+    settings = {"FT_PRESET": "demo", "FT_NUM_EPOCHS": "2", "FT_REGISTERED_MODEL": "", "FT_DATASET": str(data), "FT_BATCH_SIZE": "4",
+                "FT_GRADIENT_ACCUMULATION_STEPS": "2"}  # FT_NUM_EPOCHS over the preset's FT_MAX_STEPS, as a user writes it
     reference = run_job(job_env(tmp_path / "reference", **settings))
     assert reference.returncode == 0, reference.stdout + reference.stderr
     rows = int(re.search(r"kept (\d+) train / \d+ validation rows", reference.stdout)[1])
-    per_step = 16 * 4  # the preset's FT_BATCH_SIZE x FT_GRADIENT_ACCUMULATION_STEPS
+    per_step = 4 * 2  # FT_BATCH_SIZE x FT_GRADIENT_ACCUMULATION_STEPS
     per_epoch = -(-rows // per_step)  # the last step of an epoch is short
     summary = reference.stdout.strip().splitlines()[-1]
     assert f" steps={2 * per_epoch}/{2 * per_epoch} " in summary, summary
