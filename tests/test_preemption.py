@@ -391,6 +391,20 @@ def test_a_stop_while_the_training_process_starts_exits_76_without_touching_the_
     assert "exit 76: stopped by SIGTERM while starting" in termination_message(env)
 
 
+@pytest.mark.faults("SIGTERM while the training process prepares the data, its handler installed")
+def test_a_stop_before_training_exits_76_as_one_while_starting_and_leaves_the_committed_checkpoints(tmp_path):
+    out = tmp_path / "volume"
+    env = job_env(out, **STEPS)
+    assert run_job(with_faults(env, sigterm_at_step=10)).returncode == 75  # checkpoint-10 committed
+    held = tmp_path / "preparing"
+    job = start_job(with_faults(env, hold_data=held), tmp_path / "job.log")
+    wait_for(held.exists, timeout=120, what="the training process to prepare the data")
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=120) == 76, (tmp_path / "job.log").read_text()  # not 75: no checkpoint was committed for this stop
+    assert "exit 76: stopped by SIGTERM while starting; a retry resumes from the last committed checkpoint" in termination_message(env)
+    assert committed_steps(out) == [10]
+
+
 # -- Saves in the background (trainer/checkpointing/saving.py) -------------------------------------------
 
 

@@ -19,7 +19,7 @@ from trainer.core import config as job_config
 from trainer.core import settings as settings_table
 from trainer.core.config import Config
 from trainer.core.ending import exit_code_for, record_exit
-from trainer.core.errors import Preempted, StepDownRestart
+from trainer.core.errors import Preempted, StepDownRestart, StopAbandoned
 from trainer.core.volume import Volume
 from trainer.data import data_report, demo
 from trainer.data import prepare as data
@@ -186,8 +186,8 @@ def train(
     def attempt(plan: memory.Plan, watch: Any) -> Any:
         # Rank 0 sets cut-short and damaged saves aside (reading the newest back against its checksums); the others then take the newest left.
         resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
-        if stopper.requested:
-            raise Preempted("stopped before training started; the committed checkpoints are unchanged")
+        if stopper.requested:  # nothing new to save: as the launcher answers a stop before this process listens (76)
+            raise StopAbandoned(f"stopped by {stopper.signal_name} while starting; a retry resumes from the last committed checkpoint")
         trainer = sft_trainer.build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry,
                                             after_commit=mirroring.committed if mirroring else None, write_seconds=write_seconds)
         trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn

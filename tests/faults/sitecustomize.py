@@ -24,6 +24,8 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
   FAULT_FILL_VOLUME_AT=4               after checkpoint 4 is committed; `final`: just before the final model is saved
   FAULT_HOLD_START=<file>              the training process writes <file> and sleeps before anything else
                                        (a stop that lands while it starts)
+  FAULT_HOLD_DATA=<file>               the training process writes <file> and sleeps 5 s as its data preparation starts, its
+                                       stop handler installed (a stop that lands while it starts, before training)
   FAULT_HOLD_AFTER_STOP_COMMIT=<file>  once a stop's checkpoint is committed, write <file> and sleep 8 s (what
                                        follows, the run report and closing the MLflow run, taking long)
   FAULT_COUNT_PARSES=<file>            append a line to <file> each time the FT_* settings are parsed
@@ -406,7 +408,20 @@ def _hold_evaluation(module):
     module._progress = progress
 
 
+def _hold_data(module):
+    original = module.prepare
+
+    def prepare(*args, **kwargs):
+        with open(os.environ["FAULT_HOLD_DATA"], "w") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(5)
+        return original(*args, **kwargs)
+
+    module.prepare = prepare
+
+
 PATCHES = {  # module -> (variables, patch)
+    "trainer.data.prepare": (("FAULT_HOLD_DATA",), _hold_data),
     "trainer.evaluation.stage": (("FAULT_HOLD_EVALUATION",), _hold_evaluation),
     "trainer.checkpointing.preemption": (("FAULT_SECONDS_PER_STEP", "FAULT_SIGTERM_AT_STEP", "FAULT_HANG_AT_STEP", "FAULT_HOLD_AT_STEP",
                                           "FAULT_HOLD_AFTER_STOP_COMMIT"), _preemption_faults),

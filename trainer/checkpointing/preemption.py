@@ -27,6 +27,7 @@ class StopOnSignal(TrainerCallback):
     def __init__(self, deadline_seconds: int):
         self.deadline_seconds = deadline_seconds
         self.requested_at: float | None = None
+        self.signal_name = ""  # the first stop signal's (SIGTERM, SIGINT)
         self.deadline: threading.Timer | None = None
         self.stop_step: int | None = None  # the step whose save is the stop's checkpoint (seen at its step end)
         self.leave_at_once = ""  # why a signal needs no save (nothing_left_to_save)
@@ -53,6 +54,7 @@ class StopOnSignal(TrainerCallback):
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
+        self.signal_name = self.signal_name or name
         if self.leave_at_once:
             self._leave(Preempted.exit_code, f"{name} received {self.leave_at_once}")
         if self.committed:

@@ -218,7 +218,8 @@ class Preempted(FulltuneError):
 
 
 class StopAbandoned(FulltuneError):
-    """A second signal or the stop deadline cut the final save short."""
+    """A second signal or the stop deadline cut the final save short, or a stop came while the job started (before
+    training: nothing new to save)."""
 
     exit_code = 76
     show_traceback = False
