@@ -177,9 +177,15 @@ def demo_job_run(tmp_path_factory, worker_id) -> tuple[Path, subprocess.Complete
     out, record = shared / "volume", shared / "result.json"
     with open(shared / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this worker dies
-        if not record.exists():
-            # MLflow samples system metrics every 10 s by default, longer than this demo job trains.
-            result = run_job(job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5"))
+        if not record.exists():  # recorded whatever the outcome: a second run into the same volume would resume this one
+            # MLflow samples system metrics every 10 s by default, longer than this demo job trains.  ~120 CPU-s, but
+            # beside three other test files on two cores it gets about half a core: 15 minutes before calling it hung.
+            env = job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5")
+            try:
+                result = run_job(env, timeout=900)
+            except subprocess.TimeoutExpired as hung:
+                said = [part.decode() if isinstance(part, bytes) else part or "" for part in (hung.stdout, hung.stderr)]
+                result = subprocess.CompletedProcess(hung.cmd, -9, said[0], said[1] + f"\n(killed: still running after {hung.timeout:.0f} s)")
             record.write_text(json.dumps({"args": result.args, "returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}))
     result = subprocess.CompletedProcess(**json.loads(record.read_text()))
     assert result.returncode == 0, result.stdout + result.stderr
