@@ -143,7 +143,8 @@ def test_gpu_check_ends_within_its_budget_and_still_writes_the_table_of_what_ran
     assert "| | slow (one run) | padded (one run) |" in written, written
     assert _table(written)["run"] == ["stopped (time)", "not run (time)"], written
     assert json.loads((tmp_path / "out" / "slow-r1.json").read_text())["stopped"] is True and "round 1 slow stopped: out of time" in log
-    assert "BENCH-RESULT" not in (tmp_path / "out" / "slow-r1.log").read_text() != ""  # its log, as far as it got, is kept
+    # Its log, as far as it got, is kept (empty when the checks before it took most of the budget on a loaded machine).
+    assert "BENCH-RESULT" not in (tmp_path / "out" / "slow-r1.log").read_text()
 
 
 def test_the_first_steps_are_left_out_of_the_timed_tokens():
