@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# One OpenMP thread per process unless the caller chose: the tests run four at a time (pytest-xdist), and the tiny
+# One OpenMP thread per process unless the caller chose: the tests run two at a time (pytest-xdist), and the tiny
 # demo model's operations are too small to gain from more.  With torch's default (a thread per core), two jobs'
 # threads spin-wait against each other: two concurrent 8-step demo jobs took 61 s each, against 20 s with one thread
 # (same eval loss).  Set before anything imports torch, so this process and every job it starts keep it.
@@ -179,7 +179,7 @@ def demo_job_run(tmp_path_factory, worker_id) -> tuple[Path, subprocess.Complete
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this worker dies
         if not record.exists():  # recorded whatever the outcome: a second run into the same volume would resume this one
             # MLflow samples system metrics every 10 s by default, longer than this demo job trains.  ~120 CPU-s, but
-            # beside three other test files on two cores it gets about half a core: 15 minutes before calling it hung.
+            # beside another test file and the image build on two cores it can get half a core: 15 minutes before calling it hung.
             env = job_env(out, FT_PRESET="demo", HF_TOKEN=SECRET, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5")
             try:
                 result = run_job(env, timeout=900)
