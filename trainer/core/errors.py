@@ -58,7 +58,8 @@ EXIT_CODES = {
         "Also a job on several nodes where one process ran out of GPU memory: the next plan down is recorded on the volume and every node "
         "ends (on one node the job restarts its processes there by itself); the retry starts at that plan from the last committed checkpoint.",
     76: "Stopped by a second signal or the stop deadline before the checkpoint was committed, or while "
-        "the training process was starting; or at once, when one checkpoint's write (the volume's speed measured at start) cannot fit "
+        "the job was starting, before its first training step (nothing new to save: the committed checkpoints are as they were); "
+        "or at once, when one checkpoint's write (the volume's speed measured at start) cannot fit "
         "what is left of FT_STOP_DEADLINE_SECONDS (the message names the last committed checkpoint). A retry resumes from the previous "
         "committed checkpoint.",
     77: "Stuck: no optimizer step for FT_STUCK_AFTER_SECONDS while training, with FT_STUCK_EXIT=true (a hung GPU, node, volume or "
