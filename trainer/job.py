@@ -83,7 +83,7 @@ def run(config: Config, tracker: Tracker, telemetry: Telemetry) -> None:
         run_report = report.RunReport(_report_facts(config, plan, prepared, steps), tracker, committed=lambda: _committed(volume))
         try:
             trainer = train(config, tokenizer, prepared, plan, stopper, run_report, tracker, telemetry, mirroring, write_seconds)
-        except Preempted:
+        except (Preempted, StopAbandoned):  # the mirror gets what is left of the stop's deadline for what it still owes
             uploads.after_stop(mirroring, stopper)
             raise
         telemetry.stage("saving")

@@ -161,7 +161,7 @@ class Uploads:
 
 def after_stop(uploads: Uploads | None, stopper: Any) -> None:
     """A stop (preemption.StopOnSignal): the mirror gets the stop's checkpoint within what is left of FT_STOP_DEADLINE_SECONDS;
-    the job exits 75 either way (the checkpoint is committed on the volume)."""
+    the job exits 75 either way (the checkpoint is committed on the volume), or 76 for a stop before the first step."""
     if uploads is None or not stopper.requested:
         return
     left = stopper.deadline_seconds - (time.monotonic() - stopper.requested_at)
