@@ -401,6 +401,7 @@ def test_a_stop_before_training_exits_76_as_one_while_starting_and_leaves_the_co
     wait_for(held.exists, timeout=120, what="the training process to prepare the data")
     job.send_signal(signal.SIGTERM)
     assert job.wait(timeout=120) == 76, (tmp_path / "job.log").read_text()  # not 75: no checkpoint was committed for this stop
+    assert "SIGTERM received: ending before the first training step, nothing new to save" in (tmp_path / "job.log").read_text()
     assert "exit 76: stopped by SIGTERM while starting; a retry resumes from the last committed checkpoint" in termination_message(env)
     assert committed_steps(out) == [10]
 

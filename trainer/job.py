@@ -186,8 +186,7 @@ def train(
     def attempt(plan: memory.Plan, watch: Any) -> Any:
         # Rank 0 sets cut-short and damaged saves aside (reading the newest back against its checksums); the others then take the newest left.
         resume = ranks.main_first(lambda: checkpoints.latest_for_resume(volume.checkpoints, volume.incomplete, verify=ranks.is_main()))
-        if stopper.requested:  # nothing new to save: as the launcher answers a stop before this process listens (76)
-            raise StopAbandoned(f"stopped by {stopper.signal_name} while starting; a retry resumes from the last committed checkpoint")
+        stopper.begin_training()  # a stop that came while the job started ends it here, 76
         trainer = sft_trainer.build_trainer(config, tokenizer, prepared, plan, tracker=tracker, callbacks=(stopper, watch), telemetry=telemetry,
                                             after_commit=mirroring.committed if mirroring else None, write_seconds=write_seconds)
         trainer.add_callback(run_report)  # last: each evaluation's metrics and sample answers are recorded before it is drawn

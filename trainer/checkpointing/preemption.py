@@ -28,6 +28,7 @@ class StopOnSignal(TrainerCallback):
         self.deadline_seconds = deadline_seconds
         self.requested_at: float | None = None
         self.signal_name = ""  # the first stop signal's (SIGTERM, SIGINT)
+        self.training = False  # until begin_training: a stop ends the job before its first step, with nothing to save
         self.deadline: threading.Timer | None = None
         self.stop_step: int | None = None  # the step whose save is the stop's checkpoint (seen at its step end)
         self.leave_at_once = ""  # why a signal needs no save (nothing_left_to_save)
@@ -41,6 +42,13 @@ class StopOnSignal(TrainerCallback):
     @property
     def requested(self) -> bool:
         return self.requested_at is not None
+
+    def begin_training(self) -> None:
+        """From here a stop saves at the end of a step.  One that came before (loading, data) ends the job here, 76 as
+        one before this process listened (trainer/launch/launcher.py): nothing new to save, the committed checkpoints as they are."""
+        if self.requested:
+            raise StopAbandoned(f"stopped by {self.signal_name} while starting; a retry resumes from the last committed checkpoint")
+        self.training = True
 
     def know_the_save(self, write_seconds: float | None, checkpoints: str) -> None:
         """One process: how long a checkpoint takes on this volume (measured at start) and where the committed ones are,
@@ -65,7 +73,8 @@ class StopOnSignal(TrainerCallback):
 
     def _on_stop(self, why: str) -> None:
         self.requested_at = time.monotonic()
-        print(f"fulltune: {why}: saving a checkpoint at the end of this step (deadline {self.deadline_seconds} s)", flush=True)
+        then = "saving a checkpoint at the end of this step" if self.training else "ending before the first training step, nothing new to save"
+        print(f"fulltune: {why}: {then} (deadline {self.deadline_seconds} s)", flush=True)
         self.deadline = threading.Timer(self.deadline_seconds, self._give_up, args=(f"stop deadline of {self.deadline_seconds} s passed",))
         self.deadline.daemon = True
         self.deadline.start()
