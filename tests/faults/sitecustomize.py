@@ -39,6 +39,9 @@ they are imported.  Nothing in trainer/ knows about it.  Each fault is switched 
                                        ignoring SIGTERM, as a rank held in an NCCL collective does (its host blocked in a CUDA call)
   FAULT_OOM_KIND=cublas                ... raised as another library words it instead of torch.OutOfMemoryError: cublas (cuBLAS
                                        creating its handle), cudnn, nccl (a DistBackendError), cuda (a plain CUDA error)
+  FAULT_SECONDS_PER_PASS=2             each training forward pass sleeps 2 s first: a device far slower than this CPU, whose
+                                       steps take long without keeping a core busy (a run that is still training when a
+                                       time budget ends)
   FAULT_RECORD_LOAD_MEMORY=<file>      rank 0 appends to <file>, for each part of a resume (weights, optimizer states), a
                                        JSON line with its resident memory before and its peak during it, in bytes
                                        (/proc/self/status VmRSS and VmHWM, the peak reset first through /proc/self/clear_refs)
@@ -388,10 +391,31 @@ def _nan_loss_on_rank(module):
 
 
 def _model_faults(module):
+    if os.environ.get("FAULT_SECONDS_PER_PASS"):
+        _slow_passes(module)
     if os.environ.get("FAULT_OOM_ABOVE_SEQUENCES"):
         _out_of_memory_above(module)
     if os.environ.get("FAULT_NAN_LOSS_ON_RANK"):
         _nan_loss_on_rank(module)
+
+
+def _slow_passes(module):
+    """A forward pre-hook that sleeps before each training pass (evaluation passes run at this CPU's speed)."""
+    import torch
+
+    seconds = float(os.environ["FAULT_SECONDS_PER_PASS"])
+    original = module.prepare_model
+
+    def pause(net, args, kwargs):
+        if torch.is_grad_enabled():
+            time.sleep(seconds)
+
+    def prepare_model(net, *args, **kwargs):
+        net = original(net, *args, **kwargs)
+        net.register_forward_pre_hook(pause, with_kwargs=True)
+        return net
+
+    module.prepare_model = prepare_model
 
 
 def _hold_evaluation(module):
@@ -427,7 +451,7 @@ PATCHES = {  # module -> (variables, patch)
                                           "FAULT_HOLD_AFTER_STOP_COMMIT"), _preemption_faults),
     "trainer.checkpointing.manifest": (("FAULT_KILL_BEFORE_COMMIT_AT_STEP",), _kill_before_commit),
     "trainer.core.settings": (("FAULT_COUNT_PARSES",), _count_parses),
-    "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES", "FAULT_NAN_LOSS_ON_RANK"), _model_faults),
+    "trainer.model.recipe": (("FAULT_OOM_ABOVE_SEQUENCES", "FAULT_NAN_LOSS_ON_RANK", "FAULT_SECONDS_PER_PASS"), _model_faults),
     "trainer.checkpointing.saving": (("FAULT_SLOW_CHECKPOINT_WRITE", "FAULT_WRITE_SPEED", "FAULT_SLOW_STEPS_WHILE_WRITING"), _saving_faults),
     "transformers.trainer": (("FAULT_RECORD_LOAD_MEMORY", "FAULT_RECORD_GATHERED"), _trainer_faults),
     "torch.nn.parallel.distributed": (("FAULT_RECORD_DDP",), _record_ddp),
