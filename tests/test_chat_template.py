@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import job_env, run_job, termination_message
+from conftest import NO_EVALUATION, job_env, run_job, termination_message
 from trainer.core import config, settings
 from trainer.core.errors import ConfigError
 from trainer.data import chatml
@@ -47,7 +47,7 @@ def test_a_template_file_renders_the_rows_and_is_the_saved_models_template(tmp_p
     path.write_text(TEMPLATE)
     out = tmp_path / "volume"
     result = run_job(job_env(out, FT_PRESET="demo", FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2", FT_REGISTERED_MODEL="",
-                             FT_CHAT_TEMPLATE=str(path)))
+                             FT_CHAT_TEMPLATE=str(path), **NO_EVALUATION))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "<|im_start|>system\nTurn word lists around.<|im_end|>" in (out / "data-report.txt").read_text(), "the rows were rendered with it"
     from transformers import AutoTokenizer

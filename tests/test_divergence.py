@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from conftest import QUICK_DEMO, committed_steps, job_env, run_job, termination_message
+from conftest import NO_EVALUATION, QUICK_DEMO, committed_steps, job_env, run_job, termination_message
 from trainer import sft_trainer
 from trainer.checkpointing import divergence
 from trainer.core import config as job_config
@@ -30,7 +30,7 @@ def finite(checkpoint) -> bool:
 @pytest.mark.slow
 def test_a_huge_learning_rate_exits_5_naming_the_step_and_the_last_good_checkpoint_and_a_retry_diverges_again(tmp_path):
     out = tmp_path / "volume"
-    env = job_env(out, **QUICK_DEMO, FT_LEARNING_RATE="1000", FT_EVAL_STEPS="5", FT_SAVE_STEPS="5", FT_SYSTEM_METRICS="false")
+    env = job_env(out, **QUICK_DEMO, **NO_EVALUATION, FT_LEARNING_RATE="1000", FT_EVAL_STEPS="5", FT_SAVE_STEPS="5", FT_SYSTEM_METRICS="false")
     result = run_job(env)
     assert result.returncode == 5, result.stdout + result.stderr
     assert "step=10/40 loss=nan" in result.stdout  # logged as NaN, not hidden as the window's average

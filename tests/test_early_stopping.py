@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import QUICK_DEMO, committed_steps, job_env, run_job
+from conftest import NO_EVALUATION, QUICK_DEMO, committed_steps, job_env, run_job
 
 
 @pytest.mark.slow  # the demo job, 6 of 20 steps, in a subprocess
@@ -18,7 +18,7 @@ def test_a_run_whose_eval_loss_rises_stops_early_with_exit_0_and_the_best_checkp
     # A constant learning rate of 0.05 on the quick demo's 8 sequences a step, loss on every token, overshoots after
     # the first steps: eval loss 4.94 at step 2, then 5.50 and 5.92 (CPU, fp32, fixed seed), so patience 2 stops at
     # step 6. (Loss on the replies only, the preset's default, keeps improving at this rate.)
-    env = job_env(out, **(QUICK_DEMO | dict(FT_MAX_STEPS="20")), FT_LOSS_ON="all", FT_LEARNING_RATE="0.05",
+    env = job_env(out, **(QUICK_DEMO | dict(FT_MAX_STEPS="20") | NO_EVALUATION), FT_LOSS_ON="all", FT_LEARNING_RATE="0.05",
                   FT_LR_SCHEDULER="constant_with_warmup", FT_WARMUP_STEPS="0", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2",
                   FT_LOGGING_STEPS="2", FT_EARLY_STOPPING_PATIENCE="2", FT_REGISTERED_MODEL="")
     result = run_job(env)

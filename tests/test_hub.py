@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import job_env, run_job, termination_message
+from conftest import NO_EVALUATION, job_env, run_job, termination_message
 
 CLOSED_PORT = "http://127.0.0.1:9"  # discard: nothing listens there
 
@@ -111,7 +111,7 @@ def test_two_nodes_download_a_hub_model_once_per_cache_rank_0_first(demo_assets,
         nodes = []
         for rank, hub in enumerate((hub0, hub1)):
             env = job_env(tmp_path / "volume", FT_MODEL="org/tiny-reverser", FT_DATASET=str(demo_assets / "data" / "train.jsonl"), FT_MAX_STEPS="2",
-                          FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_EVAL_SAMPLES="0", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1")
+                          FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1", **NO_EVALUATION)
             env |= hub_env(hub, tmp_path / ("hf-home" if cache == "shared" else f"hf-home-{rank}"))
             env |= dict(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port,
                         FT_TERMINATION_MESSAGE_PATH=str(tmp_path / f"node{rank}.termination-log"), OMP_NUM_THREADS="1")

@@ -13,6 +13,7 @@ import torch
 
 from conftest import (
     DEMO_NAME,
+    NO_EVALUATION,
     ROOT,
     SECRET,
     MlflowServer,
@@ -212,7 +213,7 @@ def test_local_datasets_train_end_to_end(layout, demo_assets, tmp_path):
         rows.save_to_disk(str(source))
     out = tmp_path / "volume"
     env = job_env(out, FT_MODEL=str(demo_assets / "model"), FT_DATASET=str(source), FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2",
-                  FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1", FT_MAX_LENGTH="128", FT_REGISTERED_MODEL="")
+                  FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1", FT_MAX_LENGTH="128", FT_REGISTERED_MODEL="", **NO_EVALUATION)
     result = run_job(env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "108 train / 12 validation rows" in result.stdout

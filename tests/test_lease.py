@@ -18,13 +18,13 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from conftest import ROOT, committed_steps, job_env, run_job, start_job, termination_message, wait_for, with_faults
+from conftest import NO_EVALUATION, ROOT, committed_steps, job_env, run_job, start_job, termination_message, wait_for, with_faults
 
 pytestmark = pytest.mark.slow  # every test starts the job in subprocesses
 
 LEASE = Path(".fulltune") / "lease.json"
 DEMO = dict(FT_PRESET="demo", FT_MAX_STEPS="20", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_BATCH_SIZE="4",
-            FT_GRADIENT_ACCUMULATION_STEPS="2")  # 8 sequences a step, not the preset's 64: the lease, not the learning
+            FT_GRADIENT_ACCUMULATION_STEPS="2", **NO_EVALUATION)  # 8 sequences a step, not the preset's 64: the lease, not the learning
 
 
 def holder_named(lease: dict) -> str:

@@ -14,12 +14,12 @@ import pytest
 import xxhash
 from s3server import SECRET_KEY, S3Server
 
-from conftest import committed_steps, job_env, max_weight_difference, run_job, start_job, termination_message, wait_for, with_faults
+from conftest import NO_EVALUATION, committed_steps, job_env, max_weight_difference, run_job, start_job, termination_message, wait_for, with_faults
 
 pytestmark = pytest.mark.slow  # every test starts the demo job in a subprocess
 
 STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2", FT_BATCH_SIZE="4",
-             FT_GRADIENT_ACCUMULATION_STEPS="2")  # 8 sequences a step, not the preset's 64: what is mirrored, not how well it learns
+             FT_GRADIENT_ACCUMULATION_STEPS="2", **NO_EVALUATION)  # 8 sequences a step, not the preset's 64: what is mirrored, not how well it learns
 DATA, BUCKET = "s3://fulltune-data/demo/train.jsonl", "fulltune-mirror"
 DOWN, BACK = "not answering since", "back (down since"
 FINAL_WEIGHTS = "final/model/model.safetensors"

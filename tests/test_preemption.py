@@ -15,6 +15,7 @@ import mlflow
 import pytest
 
 from conftest import (
+    NO_EVALUATION,
     ROOT,
     assert_no_pickle_beyond_weights_only,
     committed_steps,
@@ -30,9 +31,10 @@ from conftest import (
 pytestmark = pytest.mark.slow  # every test starts the demo job in a subprocess (and most train it)
 
 # 8 sequences a step, not the preset's 64: these tests are about when the job stops and what it resumes, which the
-# step's size does not change (a tenth of the CPU per step; the signals land where the tests/faults sleeps put them).
+# step's size does not change (a tenth of the CPU per step; the signals land where the tests/faults sleeps put them),
+# and without the evaluation after training, which they do not read.
 STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_TOTAL_LIMIT="2", FT_BATCH_SIZE="4",
-             FT_GRADIENT_ACCUMULATION_STEPS="2")
+             FT_GRADIENT_ACCUMULATION_STEPS="2", **NO_EVALUATION)
 SLOW = {"seconds_per_step": "0.15"}  # tests/faults: a signal lands while the (otherwise very fast) demo trains
 # Slower still where a signal must land before the next save: the checkpoint the test waits for is committed in the
 # background, seen by the test up to seconds later on a loaded machine (5 s of steps before the next save).
@@ -229,7 +231,8 @@ def test_rerun_of_a_finished_job_with_other_settings_exits_2_naming_each_differe
 
     # The way on it names: the finished model is the base model of a new job on a new volume.
     finished_model = str(uninterrupted / "final" / "model")
-    more = run_job(job_env(tmp_path / "more", FT_PRESET="demo", FT_MODEL=finished_model, FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2"))
+    more = run_job(job_env(tmp_path / "more", FT_PRESET="demo", FT_MODEL=finished_model, FT_MAX_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2",
+                           **NO_EVALUATION))
     assert more.returncode == 0, more.stdout + more.stderr
     assert "starting from step 0" in more.stdout
 

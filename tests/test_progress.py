@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import job_env, run_job
+from tests.conftest import NO_EVALUATION, job_env, run_job
 from trainer.console import progress
 
 
@@ -53,7 +53,8 @@ def test_tokens_per_s_counts_only_the_time_inside_optimizer_steps_and_the_tokens
 
 @pytest.mark.slow
 def test_every_logging_step_prints_a_progress_line_and_logs_it_to_mlflow(tmp_path):
-    env = job_env(tmp_path / "out", FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_STEPS="10", FT_LOGGING_STEPS="5", FT_REGISTERED_MODEL="")
+    env = job_env(tmp_path / "out", FT_PRESET="demo", FT_MAX_STEPS="10", FT_EVAL_STEPS="10", FT_SAVE_STEPS="10", FT_LOGGING_STEPS="5", FT_REGISTERED_MODEL="",
+                  **NO_EVALUATION)
     result = run_job(env, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [progress.parse_line(line) for line in result.stdout.splitlines() if line.startswith("fulltune: step=") and " loss=" in line]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import (
+    NO_EVALUATION,
     assert_no_pickle_beyond_weights_only,
     committed_steps,
     job_env,
@@ -36,8 +37,9 @@ from conftest import (
 pytestmark = pytest.mark.slow  # each test trains the demo in two processes
 
 # 40 demo steps of 8 sequences: 4 x 2 in one process, 4 x 1 in each of two.
-ONE = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="2")
-TWO = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1")
+# What the processes share and how they train, not what the model answers: no evaluation after training (NO_EVALUATION).
+ONE = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="2", **NO_EVALUATION)
+TWO = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="1", **NO_EVALUATION)
 SHORT = dict(FT_MAX_STEPS="30", FT_SAVE_STEPS="10", FT_EVAL_STEPS="10")
 # Relative, final eval loss of 2 processes against 1 with the same global batch: the per-step training
 # losses are the same sequences (DistributedSampler splits each step's batch), but each process evaluates
@@ -376,7 +378,7 @@ def test_a_two_process_fsdp_checkpoint_resumes_on_three_without_gathering_it_on_
     rows.write_text("".join((demo_assets / "data" / "train.jsonl").read_text().splitlines(True)[:64]))
     out, memory = tmp_path / "volume", tmp_path / "load-memory.jsonl"
     settings = dict(FT_MODEL=str(model), FT_DATASET=str(rows), FT_BATCH_SIZE="2", FT_GRADIENT_ACCUMULATION_STEPS="1",
-                    FT_MAX_STEPS="2", FT_SAVE_STEPS="1", FT_EVAL_STEPS="1", FT_EVAL_MAX_SAMPLES="8", FT_EVAL_SAMPLES="0", FT_DISTRIBUTED="fsdp")
+                    FT_MAX_STEPS="2", FT_SAVE_STEPS="1", FT_EVAL_STEPS="1", FT_EVAL_MAX_SAMPLES="8", FT_DISTRIBUTED="fsdp") | NO_EVALUATION
     crashed = run_job(with_faults(job_env(out, **settings, FT_NUM_PROCESSES="2", FT_MASTER_PORT=str(free_port())), kill_before_commit_at_step="2"))
     assert crashed.returncode == 1 and committed_steps(out) == [1], crashed.stdout + crashed.stderr
 
@@ -499,7 +501,7 @@ def test_a_node_whose_peers_never_come_waits_the_rendezvous_timeout_then_exits_1
 @pytest.mark.faults("rank 0 still saving the final model when the others are done")
 def test_the_ranks_end_together_after_rank_0_saved_with_nccls_diagnostics_set_and_the_process_group_destroyed(tmp_path):
     out, exits = tmp_path / "volume", tmp_path / "exits.jsonl"
-    env = job_env(out, **(TWO | dict(FT_MAX_STEPS="4")), FT_SAVE_STEPS="4", FT_EVAL_STEPS="4", FT_EVAL_SAMPLES="0", FT_NUM_PROCESSES="2",
+    env = job_env(out, **(TWO | dict(FT_MAX_STEPS="4")), FT_SAVE_STEPS="4", FT_EVAL_STEPS="4", FT_NUM_PROCESSES="2",
                   FT_MASTER_PORT=str(free_port()), NCCL_DEBUG="INFO")  # a variable the caller set is the caller's
     result = run_job(with_faults(env, record_exit=str(exits)))
     assert result.returncode == 0, result.stdout + result.stderr

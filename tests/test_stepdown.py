@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import committed_steps, free_port, job_env, max_weight_difference, run_job, start_job, termination_message, wait_for, with_faults
+from conftest import NO_EVALUATION, committed_steps, free_port, job_env, max_weight_difference, run_job, start_job, termination_message, wait_for, with_faults
 from trainer.model import stepdown
 
 # Max absolute weight difference between the stepped-down job's final weights and those of a job planned at the
@@ -30,7 +30,7 @@ def _settings(demo_assets, rows, **more: str) -> dict[str, str]:
     return dict(
         FT_MODEL=str(demo_assets / "model"), FT_DATASET=str(rows), FT_PLATFORM="none", FT_BATCH_SIZE="1", FT_GRADIENT_ACCUMULATION_STEPS="8",
         FT_MAX_STEPS="4", FT_LOGGING_STEPS="1", FT_EVAL_STEPS="2", FT_SAVE_STEPS="2", FT_WARMUP_STEPS="0", FT_LEARNING_RATE="1e-3",
-    ) | more  # fmt: skip
+    ) | NO_EVALUATION | more  # fmt: skip
 
 
 def _final(out):

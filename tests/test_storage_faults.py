@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import committed_steps, job_env, max_weight_difference, run_job, termination_message, with_faults
+from conftest import NO_EVALUATION, committed_steps, job_env, max_weight_difference, run_job, termination_message, with_faults
 from trainer.checkpointing import commits as checkpoints
 from trainer.checkpointing import manifest
 from trainer.core import files
 
-STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="8", FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_TOTAL_LIMIT="2", FT_SYSTEM_METRICS="false")
+STEPS = dict(FT_PRESET="demo", FT_MAX_STEPS="8", FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_SAVE_TOTAL_LIMIT="2", FT_SYSTEM_METRICS="false", **NO_EVALUATION)
 # The demo's checkpoint is 5.4 MB (1.8 MB weights, 3.6 MB AdamW states), its final model 1.8 MB: leaving half of
 # each free lets the weights of the checkpoint be written and its optimizer file fail, and the final model fail.
 LEFT_FOR_THE_CHECKPOINT = 2_500_000

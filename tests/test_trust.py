@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import job_env, run_job, termination_message
+from conftest import NO_EVALUATION, job_env, run_job, termination_message
 from trainer.core import settings as settings_table
 from trainer.core.errors import ConfigError
 from trainer.model import trust
@@ -63,7 +63,7 @@ def test_a_model_that_would_run_its_own_code_exits_2_before_any_of_it_is_read(bu
     marker = tmp_path / "code-ran"
     folder = build(demo_assets, tmp_path / "model", marker)
     out = tmp_path / "volume"
-    env = job_env(out, FT_MODEL=str(folder), FT_DATASET=str(demo_assets / "data" / "train.jsonl"), FT_REGISTERED_MODEL="")
+    env = job_env(out, FT_MODEL=str(folder), FT_DATASET=str(demo_assets / "data" / "train.jsonl"), FT_REGISTERED_MODEL="", **NO_EVALUATION)
     started = time.monotonic()
     result = run_job(env, timeout=120)
     elapsed = time.monotonic() - started

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, job_env, run_job
+from conftest import NO_EVALUATION, ROOT, job_env, run_job
 from trainer.core import permissions
 from trainer.core.errors import ConfigError
 
@@ -116,7 +116,7 @@ def _modes(folder: Path) -> set[tuple[str, str]]:
 @pytest.mark.slow
 def test_the_final_model_and_checkpoints_are_readable_by_another_uid(shared_tmp):
     out = shared_tmp / "volume"
-    env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="4", FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_REGISTERED_MODEL="")
+    env = job_env(out, FT_PRESET="demo", FT_MAX_STEPS="4", FT_SAVE_STEPS="2", FT_EVAL_STEPS="2", FT_REGISTERED_MODEL="", **NO_EVALUATION)
     previous = os.umask(0o022)  # the usual umask, inherited by the job
     try:
         result = run_job(env)
