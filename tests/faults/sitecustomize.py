@@ -242,7 +242,6 @@ def _out_of_memory_above(module):
         if not hang:
             return  # another rank's card is the small one
     passes = []
-    original = module.prepare_model
 
     def check(net, args, kwargs):
         if not torch.is_grad_enabled():  # evaluation and sample answers: only training passes are sized by the plan
@@ -258,9 +257,16 @@ def _out_of_memory_above(module):
                 time.sleep(3600)
             raise _out_of_memory(os.environ.get("FAULT_OOM_KIND", "torch"), f"injected: a pass of {sequences} sequences, more than {limit}")
 
+    _before_each_pass(module, check)
+
+
+def _before_each_pass(module, hook):
+    """`hook(net, args, kwargs)` runs before every forward pass of the model the job prepares (recipe.prepare_model)."""
+    original = module.prepare_model
+
     def prepare_model(net, *args, **kwargs):
         net = original(net, *args, **kwargs)
-        net.register_forward_pre_hook(check, with_kwargs=True)
+        net.register_forward_pre_hook(hook, with_kwargs=True)
         return net
 
     module.prepare_model = prepare_model
@@ -404,18 +410,12 @@ def _slow_passes(module):
     import torch
 
     seconds = float(os.environ["FAULT_SECONDS_PER_PASS"])
-    original = module.prepare_model
 
     def pause(net, args, kwargs):
         if torch.is_grad_enabled():
             time.sleep(seconds)
 
-    def prepare_model(net, *args, **kwargs):
-        net = original(net, *args, **kwargs)
-        net.register_forward_pre_hook(pause, with_kwargs=True)
-        return net
-
-    module.prepare_model = prepare_model
+    _before_each_pass(module, pause)
 
 
 def _hold_evaluation(module):
