@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import job_env, max_weight_difference, run_job, start_job, with_faults
+from conftest import NO_EVALUATION, job_env, max_weight_difference, run_job, start_job, with_faults
 
 pytestmark = pytest.mark.slow  # each test trains the demo job in a subprocess
 
 # Evaluation (so a save can come) every 2 steps, cheaply; FT_SAVE_EVERY_MINUTES=0.02 (1.2 s) bounds the work lost, so on the
 # fast volume saves come every second or so, and on the slow one only as often as its writes allow.
 AUTO = dict(FT_PRESET="demo", FT_MAX_STEPS="40", FT_BATCH_SIZE="4", FT_GRADIENT_ACCUMULATION_STEPS="2", FT_SAVE_STEPS="auto", FT_EVAL_STEPS="2",
-            FT_SAVE_EVERY_MINUTES="0.02", FT_EVAL_MAX_SAMPLES="16", FT_EVAL_SAMPLES="0", FT_EVAL_ROWS="0", FT_EVAL_TASKS="",
-            FT_REGISTERED_MODEL="", FT_SYSTEM_METRICS="false")
+            FT_SAVE_EVERY_MINUTES="0.02", FT_EVAL_MAX_SAMPLES="16", FT_REGISTERED_MODEL="",
+            FT_SYSTEM_METRICS="false", **NO_EVALUATION)
 PACE = {"seconds_per_step": "0.5"}  # 20 s of steps at least: a slow write (5-7 s with its spare) fits between the first
 # save that auto allows and the last step, whatever the machine's load (at 0.25 s a step, a fast machine left no room)
 SLOW_WRITE_S = 4  # each background write sleeps this long first; the probe at start is faked to predict about as long
