@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# One OpenMP thread per process unless the caller chose: the tests run two at a time (pytest-xdist), and the tiny
+# One OpenMP thread per process unless the caller chose: the tests run three at a time (pytest-xdist), and the tiny
 # demo model's operations are too small to gain from more.  With torch's default (a thread per core), two jobs'
 # threads spin-wait against each other: two concurrent 8-step demo jobs took 61 s each, against 20 s with one thread
 # (same eval loss).  Set before anything imports torch, so this process and every job it starts keep it.
